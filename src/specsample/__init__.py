@@ -1,0 +1,26 @@
+"""specsample: exact sampling and speculative-decoding verification for LLM inference.
+
+Public API (see ../shared/API.md and docs/semantics.md): :class:`SamplingParams`,
+:class:`SamplingBatch`, :func:`sample`, :func:`verify`, :class:`SamplingError`, and
+:mod:`specsample.paths` (which implementation ran, and forbidding paths).
+"""
+
+from . import paths, rng
+from .api import sample, select_backend, verify
+from .errors import SamplingError
+from .outputs import SampleOutput, VerifyOutput
+from .params import SamplingBatch, SamplingParams
+
+__all__ = [
+    "SampleOutput",
+    "SamplingBatch",
+    "SamplingError",
+    "SamplingParams",
+    "VerifyOutput",
+    "paths",
+    "rng",
+    "sample",
+    "select_backend",
+    "verify",
+]
+__version__ = "0.1.0"

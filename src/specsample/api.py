@@ -1,0 +1,157 @@
+"""Public entry points: sample() and verify(), validation and backend dispatch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from . import paths, torch_backend
+from .errors import SamplingError
+from .outputs import SampleOutput, VerifyOutput
+from .params import SamplingBatch
+from .plan import Plan, build_plan
+
+BACKENDS = ("torch", "triton")
+
+
+def select_backend(device: torch.device) -> str:
+    """The backend for tensors on ``device``: ``$SPECSAMPLE_BACKEND`` if set, else triton on
+    CUDA and torch elsewhere.
+
+    Raises:
+        ValueError: ``SPECSAMPLE_BACKEND`` is set to something other than torch / triton.
+    """
+    forced = os.environ.get("SPECSAMPLE_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"SPECSAMPLE_BACKEND must be 'torch' or 'triton', got {forced!r}")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _draft_kind(plan: Plan) -> str:
+    if plan.draft_logits is not None:
+        return "draft_logits"
+    if plan.draft_probs is not None:
+        return "draft_probs"
+    return "onehot"
+
+
+def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
+    backend = select_backend(plan.logits.device)
+    batch = plan.batch
+    n_greedy = sum(p.greedy for p in batch.params)
+    if backend == "triton":
+        from . import triton_backend
+
+        out, err, path = triton_backend.run(plan, op)
+    else:
+        out, err = torch_backend.verify(plan)
+        path = f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}"
+    paths.record(path, plan.num_rows)
+    if n_greedy:
+        paths.record("requests.greedy", n_greedy)
+    if n_greedy < batch.num_requests:
+        paths.record("requests.sampled", batch.num_requests - n_greedy)
+    return out, err
+
+
+def _raise_if_invalid(err: torch.Tensor) -> None:
+    if bool((err != 0).any()):
+        codes = err.tolist()
+        raise SamplingError([i for i, c in enumerate(codes) if c],
+                            torch_backend.describe_errors(codes))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
+           strict: bool = True) -> SampleOutput:
+    """Sample one token per request from its processed distribution.
+
+    Args:
+        logits: [N, V] float32 / float16 / bfloat16 raw logits (the request's params are applied
+            inside, in float32: logit_bias, penalties, temperature, min_p, top_k, top_p).
+        batch: the requests' SamplingBatch (N requests, vocab_size V, same device).
+        positions: [N] int64 absolute position of the token being sampled; keys the
+            counter-based RNG (``specsample.rng``). Required when a request has a user seed;
+            when omitted, fresh random positions are drawn.
+        strict: raise SamplingError for invalid data; with False, invalid requests get
+            token id -1 and ``invalid[i] = True``, and no host synchronisation is needed.
+
+    Returns:
+        SampleOutput with token_ids [N] int64, logprobs / logprob_token_ids [N, 1 + n] (or
+        None when no request asked for logprobs) and invalid [N] bool.
+
+    Temperature 0 is greedy (argmax, lowest id on ties); T > 0 is an exact Gumbel-max draw
+    from softmax(z / T) (Gumbel 1954; see docs/semantics.md).
+
+    Raises:
+        ValueError: invalid shapes, dtypes, devices, or missing positions with user seeds.
+        SamplingError: with strict=True, NaN / +inf logits or a row with no finite logit.
+    """
+    plan = build_plan(logits, batch, draft_token_ids=None,
+                      num_draft_tokens=[0] * batch.num_requests, draft_logits=None,
+                      draft_probs=None, positions=positions, method="token")
+    out, err = _run(plan, "sample")
+    if strict:
+        _raise_if_invalid(err)
+    lp = None if out.logprobs is None else out.logprobs[:, 0]
+    lp_ids = None if out.logprob_token_ids is None else out.logprob_token_ids[:, 0]
+    return SampleOutput(token_ids=out.token_ids[:, 0], logprobs=lp, logprob_token_ids=lp_ids,
+                        invalid=out.invalid)
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor | Sequence[int],
+    num_draft_tokens: torch.Tensor | Sequence[int],
+    batch: SamplingBatch,
+    *,
+    draft_logits: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    positions=None,
+    method: str = "token",
+    strict: bool = True,
+) -> VerifyOutput:
+    """Verify draft tokens against the target by rejection sampling; never changes the law.
+
+    Args:
+        target_logits: [T, V] float32 / float16 / bfloat16 raw target logits, T = N + sum k_i;
+            request i owns k_i + 1 contiguous rows (its draft rows, then its bonus row).
+        draft_token_ids: [sum k_i] int64 drafts in request order; -1 is a placeholder that
+            makes the request behave as if its drafts ended there.
+        num_draft_tokens: [N] ints >= 0 (a list, or an integer tensor; a CUDA tensor costs
+            one host synchronisation to read K).
+        batch: SamplingBatch of the N requests.
+        draft_logits: [sum k_i, V'] raw logits of a drafter that sampled from
+            softmax(draft_logits / T_i); V' <= V.
+        draft_probs: [sum k_i, V'] the drafter's exact sampling distribution.
+            Neither given: one-hot drafts (n-gram, prompt lookup, greedy drafters).
+        positions: [N] int64 absolute position of each request's first verified token.
+            Required when a request has a user seed.
+        method: "token" (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1; Chen et al. 2023,
+            arXiv 2302.01318, Alg. 2) or "block" (Sun et al. 2024, arXiv 2403.10444, Alg. 2).
+        strict: as in :func:`sample`.
+
+    Returns:
+        VerifyOutput: token_ids [N, K+1] int64 (accepted drafts, then the correction or bonus
+        token, then -1), num_accepted [N] int64, logprobs / logprob_token_ids
+        [N, K+1, 1+n] or None, invalid [N] bool.
+
+    Temperature-0 requests are verified greedily whatever the draft kind; one-hot drafts of
+    sampled requests are verified by sampling every row with the same noise as sample() and
+    matching the drafts by prefix (exact, and speculation-invariant for seeded requests).
+
+    Raises:
+        ValueError: invalid shapes, dtypes, devices, method, or missing positions with seeds.
+        SamplingError: with strict=True, invalid data (NaN / +inf logits, a row with no finite
+            logit, a draft id outside [0, V) other than -1, an invalid draft row).
+    """
+    plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
+                      num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
+                      draft_probs=draft_probs, positions=positions, method=method)
+    out, err = _run(plan, "verify")
+    if strict:
+        _raise_if_invalid(err)
+    return out

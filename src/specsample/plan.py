@@ -1,0 +1,227 @@
+"""The validated, device-resident description of one sample() / verify() call.
+
+``build_plan`` checks shapes and types (raising ``ValueError``) and derives the row layout of
+docs/semantics.md: which request and draft index each target row belongs to, the effective
+number of drafts after placeholders, and the absolute position of every row. Backends consume a
+``Plan`` and never re-derive any of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingBatch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+METHODS = ("token", "block")
+
+
+@dataclass
+class Plan:
+    """One call's inputs and row layout. Shapes: N requests, T rows, S = sum k_i drafts."""
+
+    logits: torch.Tensor  # [T, V] raw target logits
+    batch: SamplingBatch
+    num_draft: tuple[int, ...]  # k_i as given (host)
+    max_k: int  # K = max k_i (host)
+    method: str
+    positions: torch.Tensor  # [N] int64
+    draft_token_ids: torch.Tensor  # [S] int64 (as given; -1 placeholders)
+    draft_logits: torch.Tensor | None  # [S, V'] raw drafter logits
+    draft_probs: torch.Tensor | None  # [S, V'] drafter probabilities
+    row_start: torch.Tensor  # [N] int64
+    draft_start: torch.Tensor  # [N] int64
+    row_req: torch.Tensor  # [T] int64
+    row_j: torch.Tensor  # [T] int64
+    draft_req: torch.Tensor  # [S] int64
+    draft_j: torch.Tensor  # [S] int64
+    k_eff: torch.Tensor  # [N] int64, drafts before the first placeholder
+
+    @property
+    def vocab_size(self) -> int:
+        return self.logits.shape[1]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.num_draft)
+
+    @property
+    def num_rows(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def has_draft_dist(self) -> bool:
+        return self.draft_logits is not None or self.draft_probs is not None
+
+    @property
+    def row_pos(self) -> torch.Tensor:
+        """[T] int64 absolute position of every row."""
+        return self.positions[self.row_req] + self.row_j
+
+    @property
+    def row_live(self) -> torch.Tensor:
+        """[T] bool: the row is read (j <= k_eff of its request)."""
+        return self.row_j <= self.k_eff[self.row_req]
+
+    @property
+    def draft_live(self) -> torch.Tensor:
+        """[S] bool: the draft is read (before the request's first placeholder)."""
+        return self.draft_j < self.k_eff[self.draft_req]
+
+    def draft_rows(self) -> torch.Tensor:
+        """[S] int64: the target row scoring each draft."""
+        return self.row_start[self.draft_req] + self.draft_j
+
+    def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) pairs: each live draft j' counted at rows j' + 1 .. k_eff of its request."""
+        if self.draft_token_ids.numel() == 0:
+            empty = self.draft_token_ids.new_empty(0)
+            return empty, empty
+        kmax = self.max_k
+        dj = self.draft_j[:, None]
+        later = dj + 1 + torch.arange(kmax, device=dj.device)[None, :]  # [S, K] row js
+        ok = self.draft_live[:, None] & (later <= self.k_eff[self.draft_req][:, None])
+        rows = (self.row_start[self.draft_req][:, None] + later)[ok]
+        toks = self.draft_token_ids[:, None].expand_as(later)[ok]
+        return rows, toks
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(num_draft: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Row layout tensors for one tuple of k_i (cached: no host-to-device copy on replay)."""
+    row_start, draft_start, row_req, row_j, draft_req, draft_j = [], [], [], [], [], []
+    r = s = 0
+    for i, k in enumerate(num_draft):
+        row_start.append(r)
+        draft_start.append(s)
+        row_req += [i] * (k + 1)
+        row_j += list(range(k + 1))
+        draft_req += [i] * k
+        draft_j += list(range(k))
+        r += k + 1
+        s += k
+    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (
+        row_start, draft_start, row_req, row_j, draft_req, draft_j, list(num_draft)))
+
+
+def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
+    if isinstance(num_draft_tokens, torch.Tensor):
+        if num_draft_tokens.dim() != 1 or num_draft_tokens.dtype.is_floating_point or (
+            num_draft_tokens.dtype == torch.bool
+        ):
+            raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints")
+        values = [int(v) for v in num_draft_tokens.tolist()]
+    else:
+        values = list(num_draft_tokens)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"num_draft_tokens must hold ints, got {v!r}")
+    if len(values) != n:
+        raise ValueError(f"num_draft_tokens has {len(values)} entries for {n} requests")
+    if any(v < 0 for v in values):
+        raise ValueError(f"num_draft_tokens must be >= 0, got {values}")
+    return tuple(values)
+
+
+def _check_float_matrix(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) -> torch.Tensor:
+    if positions is None:
+        if batch.user_seeded:
+            raise ValueError("positions is required when a request has a user-given seed")
+        return torch.randint(0, 2**40, (n,), dtype=torch.int64, device=device)
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+    if positions.dim() != 1 or positions.shape[0] != n:
+        raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+    return positions.to(device=device, dtype=torch.int64)
+
+
+def build_plan(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    *,
+    draft_token_ids: torch.Tensor | Sequence[int] | None,
+    num_draft_tokens,
+    draft_logits: torch.Tensor | None,
+    draft_probs: torch.Tensor | None,
+    positions,
+    method: str,
+) -> Plan:
+    """Validate one call's inputs and derive its row layout.
+
+    Raises:
+        ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
+            num_draft_tokens entry, both draft_logits and draft_probs, V' > V, an unknown method,
+            or missing positions while a request has a user-given seed.
+    """
+    if not isinstance(batch, SamplingBatch):
+        raise ValueError(f"batch must be a SamplingBatch, got {type(batch).__name__}")
+    _check_float_matrix("target_logits", logits)
+    n = batch.num_requests
+    if logits.shape[1] != batch.vocab_size:
+        raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for "
+                         f"vocab_size={batch.vocab_size}")
+    if logits.device != batch.device and not (
+        logits.device.type == batch.device.type == "cuda" and batch.device.index is None
+    ):
+        raise ValueError(f"logits are on {logits.device} but the batch on {batch.device}")
+    if method not in METHODS:
+        raise ValueError(f"method must be 'token' or 'block', got {method!r}")
+    num_draft = _num_draft_tuple(num_draft_tokens, n)
+    s = sum(num_draft)
+    if logits.shape[0] != n + s:
+        raise ValueError(f"target_logits has {logits.shape[0]} rows; expected N + sum k = "
+                         f"{n} + {s} = {n + s}")
+    device = logits.device
+    if draft_token_ids is None:
+        draft_token_ids = torch.empty(0, dtype=torch.int64, device=device)
+    elif not isinstance(draft_token_ids, torch.Tensor):
+        draft_token_ids = torch.as_tensor(list(draft_token_ids), dtype=torch.int64)
+    if draft_token_ids.dim() != 1 or draft_token_ids.dtype.is_floating_point or (
+        draft_token_ids.dtype == torch.bool
+    ):
+        raise ValueError("draft_token_ids must be a 1-D integer tensor")
+    if draft_token_ids.shape[0] != s:
+        raise ValueError(f"draft_token_ids has {draft_token_ids.shape[0]} entries; "
+                         f"sum(num_draft_tokens) = {s}")
+    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    if draft_logits is not None and draft_probs is not None:
+        raise ValueError("give draft_logits or draft_probs, not both")
+    for name, d in (("draft_logits", draft_logits), ("draft_probs", draft_probs)):
+        if d is None:
+            continue
+        _check_float_matrix(name, d)
+        if d.shape[0] != s:
+            raise ValueError(f"{name} has {d.shape[0]} rows; sum(num_draft_tokens) = {s}")
+        if not 1 <= d.shape[1] <= logits.shape[1]:
+            raise ValueError(f"{name} has {d.shape[1]} columns; the draft vocabulary must be "
+                             f"1..{logits.shape[1]} (the target's)")
+        if d.device != device:
+            raise ValueError(f"{name} is on {d.device} but target_logits on {device}")
+    pos = _positions(positions, batch, n, device)
+    layout = _layout(num_draft, device)
+    row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given = layout
+    # k_eff: index of the first placeholder (-1) among a request's drafts, else k_i.
+    k_eff = k_given if s == 0 else k_given.scatter_reduce(
+        0, draft_req, torch.where(draft_token_ids == -1, draft_j, k_given[draft_req]),
+        reduce="amin", include_self=True)
+    return Plan(
+        logits=logits, batch=batch, num_draft=num_draft, max_k=max(num_draft), method=method,
+        positions=pos, draft_token_ids=draft_token_ids, draft_logits=draft_logits,
+        draft_probs=draft_probs, row_start=row_start, draft_start=draft_start, row_req=row_req,
+        row_j=row_j, draft_req=draft_req, draft_j=draft_j, k_eff=k_eff,
+    )

@@ -1,0 +1,153 @@
+"""Counter-based random numbers shared by every backend.
+
+Every random number specsample draws is a pure function of
+``(seed, position, counter, stream)``:
+
+* ``seed``: the request's 64-bit seed (``SamplingParams.seed`` mod 2**64), split into the
+  two 32-bit Philox key words ``k0 = seed & 0xffffffff`` and ``k1 = seed >> 32``.
+* ``position``: the absolute position in the sequence of the token the draw decides, split
+  into counter words ``c1 = position & 0xffffffff`` and ``c2 = position >> 32``.
+* ``counter``: counter word ``c0``: the token id for per-token noise (Gumbel keys), or a
+  per-stream scalar index for per-row uniforms (see the streams below).
+* ``stream``: counter word ``c3``, one of the ``STREAM_*`` constants.
+
+The generator is Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
+3", SC 2011), the generator behind Triton's ``tl.rand``; word 0 of its output is used. It is
+stateless, so results never depend on batch order, batch size, vocabulary tiling, chunking or
+replay, and it is safe under CUDA graphs. The Triton backend evaluates the same function
+bit for bit (integer arithmetic is exact; only the final ``log`` of the Gumbel transform may
+differ by float rounding between backends).
+
+Streams and why they are separate (DESIGN.md):
+
+* ``STREAM_SAMPLE`` (0): Gumbel noise of the target distribution at a position. Used by
+  ``sample()``, by one-hot draft verification (sample-and-match), and by the bonus token.
+  Because one-hot verification uses exactly the noise ``sample()`` uses at the same position,
+  speculation cannot change a seeded request's tokens (API.md guarantee 4).
+* ``STREAM_ACCEPT`` (1): token-level acceptance uniform ``u_j`` of the draft at a position
+  (``c0 = 0``).
+* ``STREAM_RESIDUAL`` (2): Gumbel noise for the residual distribution at a rejected position.
+* ``STREAM_BLOCK_ACCEPT`` (3): block-verification uniforms. Block verification observes every
+  ``u_j`` of its window, including those after the accepted prefix, so a key must never be
+  reused by the next step; the key uses ``c0 = j + 1`` (j = draft index in the window) with
+  ``position = window start + j``. The pair determines the window start, so no uniform is
+  ever observed twice across speculative steps.
+* ``STREAM_DRAFT`` (4): a drafter's own sampling (the engine's model drafter). Reusing the
+  target's residual stream for the drafter would correlate q's draw with the residual draw and
+  bias the output.
+
+Key reuse across steps for the other streams is unbiased: a decision at a position is only
+made once a token is emitted there, and later steps start after the last emitted position; noise
+drawn at positions past the first rejection was never used by any decision.
+
+Uniforms have 23 bits: ``u = ((x >> 9) + 0.5) * 2**-23`` lies in ``[2**-24, 1 - 2**-24]``, never
+0 or 1, so ``-log(-log(u))`` is finite and bounded by ``GUMBEL_MAX`` (about 16.64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+STREAM_SAMPLE = 0
+STREAM_ACCEPT = 1
+STREAM_RESIDUAL = 2
+STREAM_BLOCK_ACCEPT = 3
+STREAM_DRAFT = 4
+
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUNDS = 10
+MASK32 = 0xFFFFFFFF
+
+UNIFORM_SCALE = 2.0**-23
+#: Largest Gumbel value the 23-bit uniform can produce, rounded up: -log(-log(1 - 2**-24)).
+GUMBEL_MAX = 16.64
+#: Smallest Gumbel value: -log(-log(2**-24)).
+GUMBEL_MIN = -2.82
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """Return the Philox key words ``(k0, k1)`` of ``seed mod 2**64``."""
+    seed %= 2**64
+    return seed & MASK32, seed >> 32
+
+
+def philox_scalar(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tuple[int, ...]:
+    """Philox4x32-10 on Python ints (the specification the tensor versions are tested against)."""
+    for _ in range(PHILOX_ROUNDS):
+        p0 = PHILOX_ROUND_B * c2
+        p1 = PHILOX_ROUND_A * c0
+        c0, c1, c2, c3 = (
+            (p0 >> 32) ^ c1 ^ k0,
+            p0 & MASK32,
+            (p1 >> 32) ^ c3 ^ k1,
+            p1 & MASK32,
+        )
+        k0 = (k0 + PHILOX_KEY_A) & MASK32
+        k1 = (k1 + PHILOX_KEY_B) & MASK32
+    return c0, c1, c2, c3
+
+
+def uniform_scalar(seed: int, position: int, counter: int, stream: int) -> float:
+    """The uniform in (0, 1) for one key, on Python numbers (float32-exact value)."""
+    k0, k1 = split_seed(seed)
+    x = philox_scalar(counter & MASK32, position & MASK32, (position >> 32) & MASK32, stream,
+                      k0, k1)[0]
+    return ((x >> 9) + 0.5) * UNIFORM_SCALE
+
+
+def gumbel_scalar(seed: int, position: int, counter: int, stream: int) -> float:
+    """The Gumbel(0, 1) value ``-log(-log(u))`` for one key, in float64."""
+    return -math.log(-math.log(uniform_scalar(seed, position, counter, stream)))
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # b holds uint32 values in int64; split b in 16-bit halves so no product overflows int64.
+    b_lo = b & 0xFFFF
+    b_hi = b >> 16
+    lo_part = a * b_lo  # < 2**48
+    hi_part = a * b_hi  # < 2**48
+    total_lo = lo_part + ((hi_part & 0xFFFF) << 16)  # < 2**49
+    lo = total_lo & MASK32
+    hi = ((hi_part >> 16) + (total_lo >> 32)) & MASK32
+    return hi, lo
+
+
+def philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
+           k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """Word 0 of Philox4x32-10 on broadcastable int64 tensors holding uint32 values.
+
+    Returns an int64 tensor of uint32 values with the broadcast shape of the inputs.
+    """
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape, k1.shape)
+    c0, c1, c2, c3 = (t.expand(shape) for t in (c0, c1, c2, c3))
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo(PHILOX_ROUND_B, c2)
+        hi1, lo1 = _mulhilo(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi0 ^ c1 ^ k0, lo0, hi1 ^ c3 ^ k1, lo1
+        k0 = (k0 + PHILOX_KEY_A) & MASK32
+        k1 = (k1 + PHILOX_KEY_B) & MASK32
+    return c0
+
+
+def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
+            counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """Float32 uniforms in (0, 1) for broadcastable keys (all int64 tensors).
+
+    ``seed_lo`` / ``seed_hi``: the key words; ``position``: absolute positions (int64 >= 0);
+    ``counter``: token ids or scalar indices (int64 >= 0); ``stream``: a ``STREAM_*`` constant.
+    """
+    c3 = torch.full((), stream, dtype=torch.int64, device=position.device)
+    x = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
+               seed_lo, seed_hi)
+    return ((x >> 9).to(torch.float32) + 0.5) * UNIFORM_SCALE
+
+
+def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
+           counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """Float32 Gumbel(0, 1) noise ``-log(-log(u))`` for broadcastable keys (see ``uniform``)."""
+    return -torch.log(-torch.log(uniform(seed_lo, seed_hi, position, counter, stream)))

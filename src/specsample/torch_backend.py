@@ -1,0 +1,269 @@
+"""The PyTorch backend: sample() and verify() vectorised over requests, rows and vocabulary.
+
+It computes exactly the function of docs/semantics.md, in float32, on any device (the CPU path
+of the library, and the general path's reference on GPU). One pass builds the processed logits
+``z'``; one-hot verification then samples every row with Gumbel-max (drawing noise only for the
+entries that can still win, see ``gumbel_argmax``) and matches drafts by prefix; draft
+distributions use token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
+verification (Sun et al. 2024, Alg. 2) with a residual draw on at most one row per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import rng
+from .outputs import VerifyOutput
+from .plan import Plan
+from .processing import process_rows
+
+ERR_LOGITS_NAN = 1  # a NaN or +inf target logit
+ERR_LOGITS_NO_FINITE = 2  # a target row with no finite logit
+ERR_DRAFT_ID = 4  # a draft id outside [0, V) that is not the -1 placeholder
+ERR_DRAFT_ROW = 8  # a draft_logits / draft_probs row that is not a valid distribution
+
+ERROR_NAMES = {
+    ERR_LOGITS_NAN: "NaN or +inf target logit",
+    ERR_LOGITS_NO_FINITE: "target row with no finite logit",
+    ERR_DRAFT_ID: "draft id outside [0, V) (not the -1 placeholder)",
+    ERR_DRAFT_ROW: "invalid draft_logits / draft_probs row",
+}
+
+
+def describe_errors(codes: list[int]) -> str:
+    """Human-readable text for per-request error bitmasks (non-zero entries only)."""
+    parts = []
+    for i, code in enumerate(codes):
+        if code:
+            names = [text for bit, text in ERROR_NAMES.items() if code & bit]
+            parts.append(f"request {i}: " + ", ".join(names))
+    return "; ".join(parts)
+
+
+def _or_per_request(flags: torch.Tensor, req: torch.Tensor, n: int, bit: int) -> torch.Tensor:
+    out = torch.zeros(n, dtype=torch.int64, device=flags.device)
+    return out.scatter_reduce(0, req, flags.to(torch.int64) * bit, reduce="amax")
+
+
+def request_errors(plan: Plan) -> torch.Tensor:
+    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host sync)."""
+    n = plan.num_requests
+    x = plan.logits
+    live = plan.row_live
+    bad_nan = (torch.isnan(x) | torch.isposinf(x)).any(dim=-1) & live
+    no_finite = ~torch.isfinite(x).any(dim=-1) & live
+    err = _or_per_request(bad_nan, plan.row_req, n, ERR_LOGITS_NAN)
+    err |= _or_per_request(no_finite & ~bad_nan, plan.row_req, n, ERR_LOGITS_NO_FINITE)
+    if plan.draft_token_ids.numel():
+        d = plan.draft_token_ids
+        dlive = plan.draft_live
+        bad_id = dlive & ((d < 0) | (d >= plan.vocab_size))
+        err |= _or_per_request(bad_id, plan.draft_req, n, ERR_DRAFT_ID)
+        if plan.draft_logits is not None:
+            q = plan.draft_logits
+            bad = (torch.isnan(q) | torch.isposinf(q)).any(-1) | ~torch.isfinite(q).any(-1)
+            err |= _or_per_request(bad & dlive, plan.draft_req, n, ERR_DRAFT_ROW)
+        elif plan.draft_probs is not None:
+            q = plan.draft_probs
+            bad = (~torch.isfinite(q) | (q < 0)).any(-1) | (q.float().sum(-1) <= 0)
+            err |= _or_per_request(bad & dlive, plan.draft_req, n, ERR_DRAFT_ROW)
+    return err
+
+
+def gumbel_argmax(z: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                  pos: torch.Tensor, stream: int) -> torch.Tensor:
+    """Per row ``argmax_x z[r, x] + G(seed, pos, x, stream)``, lowest id on ties.
+
+    ``z``: [R, V] float32 (-inf allowed); keys: [R] int64. Noise is drawn only for entries
+    with ``z + GUMBEL_MAX >= z_a + G_a`` (a = the row's argmax): no other entry can win.
+    Returns [R] int64. A row of all -inf returns 0 (callers handle it).
+    """
+    a = z.argmax(dim=-1)
+    lower = z.gather(1, a[:, None]).squeeze(1) + rng.gumbel(seed_lo, seed_hi, pos, a, stream)
+    r, x = (z >= (lower - rng.GUMBEL_MAX)[:, None]).nonzero(as_tuple=True)
+    keys = z[r, x] + rng.gumbel(seed_lo[r], seed_hi[r], pos[r], x, stream)
+    best = torch.full_like(lower, -math.inf).scatter_reduce(0, r, keys, reduce="amax")
+    win = keys == best[r]
+    out = torch.zeros_like(a).scatter_reduce(0, r[win], x[win], reduce="amin",
+                                             include_self=False)
+    return out
+
+
+def sample_rows(z: torch.Tensor, greedy: torch.Tensor, seed_lo: torch.Tensor,
+                seed_hi: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[R] int64: argmax for greedy rows, a Gumbel-max draw (STREAM_SAMPLE) for the others."""
+    y = z.argmax(dim=-1)
+    if bool((~greedy).any()):
+        idx = (~greedy).nonzero().squeeze(1)
+        y[idx] = gumbel_argmax(z[idx], seed_lo[idx], seed_hi[idx], pos[idx], rng.STREAM_SAMPLE)
+    return y
+
+
+def draft_distribution(plan: Plan, draft_idx: torch.Tensor) -> torch.Tensor:
+    """[M, V] float32 drafter probabilities q of drafts ``draft_idx`` (0 beyond V')."""
+    if plan.draft_logits is not None:
+        t = plan.batch.temperature[plan.draft_req[draft_idx]]
+        t = torch.where(t > 0, t, torch.ones_like(t))
+        q = plan.draft_logits[draft_idx].float()
+        q = torch.softmax((q - q.amax(-1, keepdim=True)) / t[:, None], dim=-1)
+    else:
+        q = plan.draft_probs[draft_idx].float()
+    pad = plan.vocab_size - q.shape[1]
+    return torch.nn.functional.pad(q, (0, pad)) if pad else q
+
+
+def _grid(plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row index [N, K+1], draft id [N, K] (-1 past k_eff) and draft index [N, K] grids."""
+    k1 = plan.max_k + 1
+    j = torch.arange(k1, device=plan.logits.device)
+    rows = (plan.row_start[:, None] + j).clamp_max(plan.num_rows - 1)
+    didx = (plan.draft_start[:, None] + j[:-1]).clamp(0, max(plan.draft_token_ids.numel() - 1, 0))
+    if plan.draft_token_ids.numel():
+        d = plan.draft_token_ids[didx]
+    else:
+        d = torch.full(didx.shape, -1, dtype=torch.int64, device=didx.device)
+    d = torch.where(j[None, :-1] < plan.k_eff[:, None], d, torch.full_like(d, -1))
+    return rows, d, didx
+
+
+def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor,
+               d: torch.Tensor, didx: torch.Tensor, sampled_dist: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification: accepted length tau [N] and rho_tau [N] (Sun et al. 2024, Alg. 2)."""
+    n, k = d.shape
+    batch = plan.batch
+    k_eff = plan.k_eff
+    rho = torch.ones(n, k + 1, dtype=torch.float32, device=z.device)
+    h = torch.zeros(n, k + 1, dtype=torch.float32, device=z.device)
+    dsafe = d.clamp_min(0)
+    for j in range(k):
+        live = (j < k_eff) & sampled_dist
+        r = rows[:, j]
+        p_row = torch.exp(z[r] - lse[r, None])
+        q_row = draft_distribution(plan, didx[:, j])
+        p_x = p_row.gather(1, dsafe[:, j:j + 1]).squeeze(1)
+        q_x = q_row.gather(1, dsafe[:, j:j + 1]).squeeze(1)
+        if j > 0:  # Z_j and h_j for 0 < j < k_eff use rho_j and row j.
+            mass = torch.clamp(rho[:, j, None] * p_row - q_row, min=0).sum(-1)
+            denom = mass + 1 - rho[:, j]
+            h[:, j] = torch.where(mass > 0, mass / torch.where(denom > 0, denom, 1.0), 0.0)
+        ratio = torch.where(q_x > 0, p_x / torch.where(q_x > 0, q_x, 1.0),
+                            torch.where(p_x > 0, math.inf, 0.0))
+        nxt = torch.where(rho[:, j] > 0, torch.clamp(rho[:, j] * ratio, max=1.0), 0.0)
+        rho[:, j + 1] = torch.where(live, nxt, rho[:, j])
+    jj = torch.arange(k + 1, device=z.device)
+    h = torch.where(jj[None, :] == k_eff[:, None], rho, h)
+    ju = jj[1:].expand(n, k)
+    u = rng.uniform(batch.seed_lo[:, None], batch.seed_hi[:, None],
+                    plan.positions[:, None] + ju - 1, ju, rng.STREAM_BLOCK_ACCEPT)
+    acc = (u <= h[:, 1:]) & (ju <= k_eff[:, None])
+    tau = (acc * ju).amax(dim=1) if k else torch.zeros(n, dtype=torch.int64, device=z.device)
+    return tau, rho.gather(1, tau[:, None]).squeeze(1)
+
+
+def _logprobs(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor,
+              tokens: torch.Tensor, emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs)."""
+    batch = plan.batch
+    n = batch.max_logprobs
+    flat = rows.reshape(-1)
+    processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
+    lp = torch.where(processed[:, None], z[flat] - lse[flat, None],
+                     torch.log_softmax(plan.logits[flat].float(), dim=-1))
+    tok = tokens.reshape(-1).clamp_min(0)
+    col0 = lp.gather(1, tok[:, None])
+    if n > 0:
+        top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+        vals = torch.cat([col0, top_v[:, :n]], dim=1)
+        ids = torch.cat([tok[:, None], top_i[:, :n]], dim=1)
+    else:
+        vals, ids = col0, tok[:, None]
+    vals = vals.reshape(*rows.shape, n + 1)
+    ids = ids.reshape(*rows.shape, n + 1)
+    col = torch.arange(n + 1, device=z.device)
+    want = batch.logprobs_n.clamp_min(0)[:, None, None]
+    keep = emitted[:, :, None] & ((col == 0) | (col <= want))
+    vals = torch.where(keep, vals, torch.full_like(vals, -math.inf))
+    ids = torch.where(keep, ids, torch.full_like(ids, -1))
+    return vals, ids
+
+
+def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
+    """Run one verification (or, with every k_i = 0, one sampling step) on ``plan``.
+
+    Returns the VerifyOutput (on the logits' device; docs/semantics.md gives the exact
+    function) and the [N] int64 ERR_* bitmask of every request (0 = valid).
+    """
+    batch = plan.batch
+    n = plan.num_requests
+    err = request_errors(plan)
+    invalid = err != 0
+    dead = ~plan.row_live
+    if bool(invalid.any()) or bool(dead.any()):
+        bad_rows = invalid[plan.row_req] | dead
+        clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
+        clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
+        plan = dataclasses.replace(plan, logits=clean)
+    z = process_rows(plan)
+    lse = torch.logsumexp(z, dim=-1)
+    req = plan.row_req
+    greedy_req = batch.temperature == 0
+    y = sample_rows(z, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req], plan.row_pos)
+
+    rows, d, didx = _grid(plan)
+    k = plan.max_k
+    k_eff = plan.k_eff
+    y_grid = y[rows]
+    sampled_dist = ~greedy_req & plan.has_draft_dist
+    accept = d == y_grid[:, :k]  # sample-and-match (one-hot) and greedy verification
+    emit = y_grid
+    if plan.has_draft_dist and bool(sampled_dist.any()):
+        if plan.method == "block":
+            n_acc_dist, rho_tau = _block_tau(plan, z, lse, rows, d, didx, sampled_dist)
+        else:
+            dsafe = d.clamp_min(0)
+            p_x = torch.exp(z[rows[:, :k], dsafe] - lse[rows[:, :k]])
+            q_all = draft_distribution(plan, didx.reshape(-1)).reshape(n, k, -1)
+            q_x = q_all.gather(2, dsafe[:, :, None]).squeeze(2)
+            ju = torch.arange(k, device=z.device)
+            u = rng.uniform(batch.seed_lo[:, None], batch.seed_hi[:, None],
+                            plan.positions[:, None] + ju, torch.zeros_like(ju),
+                            rng.STREAM_ACCEPT)
+            acc_dist = (u * q_x < p_x) & (ju < k_eff[:, None])
+            n_acc_dist = torch.cumprod(acc_dist.to(torch.int64), dim=1).sum(1)
+            rho_tau = torch.ones(n, dtype=torch.float32, device=z.device)
+        accept = torch.where(sampled_dist[:, None],
+                             torch.arange(k, device=z.device) < n_acc_dist[:, None], accept)
+        # Residual draw at the first rejected row of each draft-distribution request.
+        a = n_acc_dist
+        need = sampled_dist & (a < k_eff)
+        if bool(need.any()):
+            ridx = need.nonzero().squeeze(1)
+            ar = a[ridx]
+            r = plan.row_start[ridx] + ar
+            p_row = torch.exp(z[r] - lse[r, None])
+            q_row = draft_distribution(plan, plan.draft_start[ridx] + ar)
+            w = torch.clamp(rho_tau[ridx, None] * p_row - q_row, min=0)
+            res = gumbel_argmax(torch.log(w), batch.seed_lo[ridx], batch.seed_hi[ridx],
+                                plan.positions[ridx] + ar, rng.STREAM_RESIDUAL)
+            res = torch.where(w.sum(-1) > 0, res, y[r])
+            emit = emit.clone()
+            emit[ridx, ar] = res
+    live_j = torch.arange(k, device=z.device) < k_eff[:, None]
+    num_accepted = torch.cumprod((accept & live_j).to(torch.int64), dim=1).sum(1)
+    num_accepted = torch.where(invalid, 0, num_accepted)
+    j = torch.arange(k + 1, device=z.device)
+    d_full = torch.nn.functional.pad(d, (0, 1), value=-1)
+    emitted_tok = emit.gather(1, num_accepted[:, None])
+    token_ids = torch.where(j < num_accepted[:, None], d_full,
+                            torch.where(j == num_accepted[:, None], emitted_tok, -1))
+    token_ids = torch.where(invalid[:, None], -1, token_ids)
+    logprobs = logprob_ids = None
+    if batch.max_logprobs >= 0:
+        emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
+        logprobs, logprob_ids = _logprobs(plan, z, lse, rows, token_ids, emitted)
+    return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
+                        logprob_token_ids=logprob_ids, invalid=invalid), err
