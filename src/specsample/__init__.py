@@ -6,7 +6,7 @@ Public API (see ../shared/API.md and docs/semantics.md): :class:`SamplingParams`
 """
 
 from . import paths, rng
-from .api import sample, select_backend, verify
+from .api import sample, select_backend, verify, warmup
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch, SamplingParams
@@ -22,5 +22,6 @@ __all__ = [
     "sample",
     "select_backend",
     "verify",
+    "warmup",
 ]
 __version__ = "0.1.0"

@@ -31,6 +31,27 @@ def select_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
+           dtypes=(torch.bfloat16, torch.float16, torch.float32), methods=("token", "block"),
+           on_compile: str = "warn") -> int:
+    """Compile every Triton kernel variant a deployment can need, then report later compiles.
+
+    Covers target dtypes x draft kinds (one-hot, draft_logits, draft_probs) x draft dtypes x
+    methods, greedy and sampled requests, and the general (float32) path. Afterwards any
+    compilation of a specsample kernel warns (``on_compile="warn"``), raises
+    ``CompilationAfterWarmupError`` (``"raise"``) or is only recorded (``"ignore"``); see
+    ``specsample.triton_backend.compilations_after_warmup()``. Returns the number of calls.
+
+    Raises:
+        ValueError: an unknown ``on_compile`` or dtype.
+    """
+    from . import triton_backend
+
+    return triton_backend.warmup(device, vocab_size=vocab_size,
+                                 draft_vocab_size=draft_vocab_size, dtypes=dtypes,
+                                 methods=methods, on_compile=on_compile)
+
+
 def _draft_kind(plan: Plan) -> str:
     if plan.draft_logits is not None:
         return "draft_logits"

@@ -60,7 +60,8 @@ def apply_temperature(z: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     ``temperature``: [T] float32 per row. Subtracting the maximum first keeps every T > 0 safe
     in float32: the largest logit maps to 0, nothing overflows to +inf.
     """
-    z -= z.amax(dim=-1, keepdim=True)
+    m = z.amax(dim=-1, keepdim=True)
+    z -= torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     z /= t[:, None]
     return z

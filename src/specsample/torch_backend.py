@@ -164,15 +164,26 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     return tau, rho.gather(1, tau[:, None]).squeeze(1)
 
 
-def _logprobs(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor,
-              tokens: torch.Tensor, emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs)."""
+def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens: torch.Tensor,
+                     emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs).
+
+    ``processed_logprobs(flat_rows)`` returns the [R, V] float32 processed log-distribution of
+    target rows ``flat_rows``; raw logprobs are log_softmax of ``plan.logits``.
+    ``rows``: [N, K+1] target row of each position; ``tokens``: [N, K+1] emitted ids;
+    ``emitted``: [N, K+1] bool.
+    """
     batch = plan.batch
     n = batch.max_logprobs
     flat = rows.reshape(-1)
     processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
-    lp = torch.where(processed[:, None], z[flat] - lse[flat, None],
-                     torch.log_softmax(plan.logits[flat].float(), dim=-1))
+    if not batch.any_processed_logprobs:
+        lp = torch.log_softmax(plan.logits[flat].float(), dim=-1)
+    elif all(p.logprobs is None or p.logprobs_mode == "processed" for p in batch.params):
+        lp = processed_logprobs(flat)
+    else:
+        lp = torch.where(processed[:, None], processed_logprobs(flat),
+                         torch.log_softmax(plan.logits[flat].float(), dim=-1))
     tok = tokens.reshape(-1).clamp_min(0)
     col0 = lp.gather(1, tok[:, None])
     if n > 0:
@@ -183,7 +194,7 @@ def _logprobs(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor
         vals, ids = col0, tok[:, None]
     vals = vals.reshape(*rows.shape, n + 1)
     ids = ids.reshape(*rows.shape, n + 1)
-    col = torch.arange(n + 1, device=z.device)
+    col = torch.arange(n + 1, device=rows.device)
     want = batch.logprobs_n.clamp_min(0)[:, None, None]
     keep = emitted[:, :, None] & ((col == 0) | (col <= want))
     vals = torch.where(keep, vals, torch.full_like(vals, -math.inf))
@@ -264,6 +275,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
-        logprobs, logprob_ids = _logprobs(plan, z, lse, rows, token_ids, emitted)
+        logprobs, logprob_ids = emitted_logprobs(
+            plan, lambda r: z[r] - lse[r, None], rows, token_ids, emitted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                         logprob_token_ids=logprob_ids, invalid=invalid), err

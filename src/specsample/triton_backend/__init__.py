@@ -1,0 +1,272 @@
+"""The Triton backend: launchers for the kernels in ``kernels.py``, warmup and compile guard.
+
+Paths (``specsample.paths``):
+
+* ``triton.sample.fused`` / ``triton.verify.fused``: the kernels read the model's own bf16 /
+  fp16 / fp32 logits, temperature applied inside; no FP32 [rows, V] buffer, no host sync.
+* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias,
+  penalties, min_p, top_k or top_p; the processed float32 logits are materialised by
+  ``specsample.processing`` (PyTorch), then the same kernels run on them.
+* ``triton.logprobs``: logprobs were asked for; the emitted rows are gathered and their
+  log-distributions computed with PyTorch from the kernels' row statistics.
+* ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
+
+On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
+before triton is imported); that is how the CPU test suite runs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import torch
+import triton
+
+from .. import paths
+from ..outputs import VerifyOutput
+from ..plan import Plan
+from ..processing import process_rows
+from ..torch_backend import emitted_logprobs
+from . import kernels
+
+S_MAX = 128  # most vocabulary splits of one row
+BLOCK_GPU = 2048
+BLOCK_INTERPRET = 128
+NUM_WARPS = 8
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type != "cuda"
+
+
+@functools.lru_cache(maxsize=8)
+def _num_programs_target(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _splits(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int, int]:
+    """(S, TPS, NT): splits per row, tiles per split and tiles per row for ``rows`` rows."""
+    nt = max(1, math.ceil(vocab / block))
+    want = max(1, math.ceil(_num_programs_target(device) / max(rows, 1)))
+    s = min(want, nt, S_MAX)
+    tps = math.ceil(nt / s)
+    s = math.ceil(nt / tps)
+    return s, tps, nt
+
+
+def _launch_stats(x: torch.Tensor, row_req, row_j, k_eff, live_extra: int, temp, *,
+                  is_probs: bool, write_tilemax: bool, block: int):
+    rows, vocab = x.shape
+    dev = x.device
+    s, tps, nt = _splits(rows, vocab, block, dev)
+    part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_a = torch.empty(rows, s, dtype=torch.int32, device=dev)
+    part_f = torch.empty(rows, s, dtype=torch.int32, device=dev)
+    tilemax = torch.empty(rows if write_tilemax else 1, nt, dtype=torch.float32, device=dev)
+    if rows:
+        kernels.stats_kernel[(rows, s)](
+            x, x.stride(0), vocab, row_req, row_j, k_eff, live_extra, temp,
+            part_m, part_s, part_a, part_f, tilemax, s, tps, nt,
+            IS_PROBS=is_probs, WRITE_TILEMAX=write_tilemax, BLOCK=block,
+            num_warps=NUM_WARPS if not _interpreting(dev) else 1)
+    return (part_m, part_s, part_a, part_f, tilemax), (s, tps, nt)
+
+
+def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.stride(1) != 1:
+        paths.record(f"triton.copy.noncontiguous.{name}", x.shape[0])
+        return x.contiguous()
+    return x
+
+
+def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
+    """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels.
+
+    Returns (VerifyOutput, the [N] int64 error bitmask, the path name). No host
+    synchronisation on the fused path.
+    """
+    batch = plan.batch
+    dev = plan.logits.device
+    block = BLOCK_INTERPRET if _interpreting(dev) else BLOCK_GPU
+    n, k = plan.num_requests, plan.max_k
+    general = batch.needs_general_path
+    if general:
+        x = process_rows(plan)
+        temp = torch.ones_like(batch.temperature)
+        path = f"triton.{op}.general"
+    else:
+        x = _contiguous_rows(plan.logits, "target")
+        temp = batch.temperature
+    if not general:
+        path = f"triton.{op}.fused"
+    req_temp = batch.temperature
+    (part_m, part_s, part_a, part_f, tilemax), (s, tps, nt) = _launch_stats(
+        x, plan.row_req, plan.row_j, plan.k_eff, 1, temp, is_probs=False, write_tilemax=True,
+        block=block)
+
+    draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
+    is_probs = plan.draft_probs is not None
+    if draft is not None:
+        draft = _contiguous_rows(draft, "draft")
+        (dpart_m, dpart_s, dpart_a, dpart_f, _), (ds, _, _) = _launch_stats(
+            draft, plan.draft_req, plan.draft_j, plan.k_eff, 0, req_temp, is_probs=is_probs,
+            write_tilemax=False, block=block)
+        dstride, dv = draft.stride(0), draft.shape[1]
+    else:
+        draft, dstride, dv, ds = part_m, 0, 1, 1
+        dpart_m, dpart_s, dpart_a, dpart_f = part_m, part_s, part_a, part_f
+
+    rows = plan.num_rows
+    best_key = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    best_idx = torch.empty(rows, s, dtype=torch.int32, device=dev)
+    warps = NUM_WARPS if not _interpreting(dev) else 1
+    kernels.sample_kernel[(rows, s)](
+        x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, plan.k_eff, temp, req_temp,
+        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_a, tilemax, best_key,
+        best_idx, s, tps, nt, S_MAX=S_MAX, BLOCK=block, num_warps=warps)
+
+    token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    err = torch.empty(n, dtype=torch.int64, device=dev)
+    stats = torch.empty(rows, 2, dtype=torch.float32, device=dev)
+    draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
+        1, dtype=torch.int64, device=dev)
+    kernels.finish_kernel[(n,)](
+        x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
+        plan.positions, plan.row_start, plan.draft_start, plan.k_eff, draft_ids,
+        part_m, part_s, part_a, part_f, tilemax, best_key, best_idx, s, nt,
+        draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
+        token_ids, num_accepted, err, stats, k,
+        HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
+        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=block, num_warps=1)
+
+    invalid = err != 0
+    logprobs = logprob_ids = None
+    if batch.max_logprobs >= 0:
+        paths.record("triton.logprobs", rows)
+        j = torch.arange(k + 1, device=dev)
+        grid = (plan.row_start[:, None] + j).clamp_max(rows - 1)
+        emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
+        t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
+
+        def processed(flat: torch.Tensor) -> torch.Tensor:
+            m, logz = stats[flat, 0:1], stats[flat, 1:2]
+            return (x[flat].float() - m) / t_eff[flat, None] - logz
+
+        logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
+    out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
+                       logprob_token_ids=logprob_ids, invalid=invalid)
+    return out, err, path
+
+
+# ---------------------------------------------------------------------------------------------
+# Warmup and compile guard
+
+_state = {"warmed": False, "mode": "warn", "compiles_after_warmup": []}
+_KERNEL_NAMES = ("stats_kernel", "sample_kernel", "finish_kernel")
+
+
+class CompilationAfterWarmupError(RuntimeError):
+    """A Triton kernel compiled after :func:`specsample.warmup` (raised with on_compile="raise")."""
+
+
+def _post_compile_hook(*args, **kwargs):
+    fn = kwargs.get("fn")
+    name = getattr(getattr(fn, "fn", None), "__qualname__", None) or kwargs.get("repr", "?")
+    if not _state["warmed"] or not any(k in str(name) for k in _KERNEL_NAMES):
+        return None
+    _state["compiles_after_warmup"].append(str(kwargs.get("repr", name)))
+    msg = f"specsample: Triton compiled {name} after warmup (a variant warmup did not cover)"
+    if _state["mode"] == "raise":
+        raise CompilationAfterWarmupError(msg)
+    if _state["mode"] == "warn":
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return None
+
+
+def compilations_after_warmup() -> list[str]:
+    """Descriptions of every kernel compiled after warmup (empty when warmup covered all)."""
+    return list(_state["compiles_after_warmup"])
+
+
+def install_compile_guard(on_compile: str = "warn") -> None:
+    """Report Triton compilations of specsample kernels from now on.
+
+    ``on_compile``: "warn" (RuntimeWarning), "raise" (CompilationAfterWarmupError) or "ignore"
+    (only recorded in :func:`compilations_after_warmup`).
+
+    Raises:
+        ValueError: an unknown ``on_compile``.
+    """
+    if on_compile not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_compile must be 'warn', 'raise' or 'ignore', got {on_compile!r}")
+    _state["mode"] = on_compile
+    _state["warmed"] = True
+    _state["compiles_after_warmup"].clear()
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    if previous is not _post_compile_hook:
+        triton.knobs.runtime.jit_post_compile_hook = _post_compile_hook
+
+
+def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
+           dtypes=(torch.bfloat16, torch.float16, torch.float32),
+           methods=("token", "block"), on_compile: str = "warn") -> int:
+    """Compile every kernel variant a deployment can need, then guard against later compiles.
+
+    Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
+    greedy and sampled requests mixed, plus the general path (float32 processed logits), on
+    ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
+    Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
+    calls made.
+
+    Raises:
+        ValueError: an unknown ``on_compile`` or dtype.
+    """
+    from ..api import sample, verify
+    from ..params import SamplingBatch, SamplingParams
+
+    device = torch.device(device)
+    dv = draft_vocab_size or vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)]
+    general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
+               SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    k = [2, 1]
+    calls = 0
+    for dtype in dtypes:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {dtype}")
+        target = torch.randn(2, vocab_size, generator=gen).to(device=device, dtype=dtype)
+        rows = torch.randn(5, vocab_size, generator=gen).to(device=device, dtype=dtype)
+        drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
+        for plist in (params, general):
+            batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+            sample(target, batch, positions=pos, strict=False)
+            calls += 1
+            for method in methods:
+                verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
+                calls += 1
+                for ddtype in dtypes:
+                    dl = torch.randn(3, dv, generator=gen).to(device=device, dtype=ddtype)
+                    verify(rows, drafts, k, batch, draft_logits=dl, positions=pos,
+                           method=method, strict=False)
+                    probs = torch.softmax(dl.float(), -1).to(ddtype)
+                    verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
+                           method=method, strict=False)
+                    calls += 2
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    install_compile_guard(on_compile)
+    return calls
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton's interpreter is on (TRITON_INTERPRET=1), needed for CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
