@@ -144,7 +144,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
         draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
         token_ids, num_accepted, err, stats, k,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
-        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=block, num_warps=1)
+        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=block,
+        num_warps=1)
 
     invalid = err != 0
     logprobs = logprob_ids = None
