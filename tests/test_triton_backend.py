@@ -1,0 +1,135 @@
+"""The Triton kernels compute the torch backend's function (docs/semantics.md), bit for bit on
+the random numbers.
+
+On CPU these run in Triton's interpreter at small sizes (V <= 4096); on a CUDA machine the same
+tests run the compiled kernels. Tokens must be identical: the inputs are continuous random
+logits, where two Gumbel keys within float rounding of each other are far rarer than one in the
+number of draws made here (the fixed seeds make that a checked fact, not a hope).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, paths, torch_backend
+from specsample.plan import build_plan
+
+triton_backend = pytest.importorskip("specsample.triton_backend")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _params(gen: torch.Generator, n: int, *, processors: bool) -> list[SamplingParams]:
+    out = []
+    for i in range(n):
+        t = [0.0, 0.7, 1.0, 1e-5, 1.5][int(torch.randint(0, 5, (), generator=gen))]
+        kw = {}
+        if processors and i % 2:
+            kw = dict(top_k=7, top_p=0.9, min_p=0.01, presence_penalty=0.4,
+                      repetition_penalty=1.2, logit_bias={3 % 2: 1.5})
+        out.append(SamplingParams(temperature=t, seed=1000 + i, **kw))
+    return out
+
+
+def _case(seed: int, n: int, vocab: int, dtype, kind: str, *, draft_vocab: int | None = None,
+          processors: bool = False, placeholders: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    ks = [int(torch.randint(0, 5, (), generator=gen)) for _ in range(n)]
+    rows = n + sum(ks)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    # Drafts: the row's argmax half the time (accepted often), else random.
+    drafts = []
+    r = 0
+    for k in ks:
+        for j in range(k):
+            top = int(logits[r + j].float().argmax())
+            drafts.append(top if torch.rand((), generator=gen) < 0.6 else
+                          int(torch.randint(0, draft_vocab or vocab, (), generator=gen)))
+        r += k + 1
+    d = torch.tensor(drafts, dtype=torch.int64)
+    if placeholders and d.numel() > 2:
+        d[1] = -1
+    dv = draft_vocab or vocab
+    extra = {}
+    if kind == "draft_logits":
+        extra["draft_logits"] = (torch.randn(d.numel(), dv, generator=gen) * 3).to(dtype).to(DEVICE)
+    elif kind == "draft_probs":
+        extra["draft_probs"] = torch.softmax(torch.randn(d.numel(), dv, generator=gen) * 2,
+                                             -1).to(DEVICE)
+    params = _params(gen, n, processors=processors)
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      prompt_token_ids=[[1 % vocab, 2 % vocab]] * n,
+                                      output_token_ids=[[2 % vocab, 5 % vocab]] * n)
+    pos = torch.randint(0, 2**33, (n,), generator=gen).to(DEVICE)
+    return logits.to(DEVICE), d.to(DEVICE), ks, batch, pos, extra
+
+
+def _compare(logits, d, ks, batch, pos, extra, method):
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      draft_logits=extra.get("draft_logits"),
+                      draft_probs=extra.get("draft_probs"), positions=pos, method=method)
+    ref, ref_err = torch_backend.verify(plan)
+    out, err, path = triton_backend.run(plan, "verify")
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    assert torch.equal(err.cpu(), ref_err.cpu())
+    return out, path
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_torch_backend(kind, method, dtype):
+    case = _case(7, 6, 300, dtype, kind, draft_vocab=260)
+    out, path = _compare(*case, method)
+    assert path == "triton.verify.fused"
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
+def test_general_path_matches(kind):
+    case = _case(11, 5, 200, torch.bfloat16, kind, processors=True)
+    _, path = _compare(*case, "token")
+    assert path == "triton.verify.general"
+
+
+def test_placeholders_and_invalid_rows():
+    logits, d, ks, batch, pos, extra = _case(3, 6, 150, torch.float16, "onehot",
+                                             placeholders=True)
+    logits[0, 5] = float("nan")
+    logits[-1] = float("-inf")
+    _compare(logits, d, ks, batch, pos, extra, "token")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 4), vocab=st.integers(2, 700),
+       dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["onehot", "draft_logits",
+                                                              "draft_probs"]),
+       method=st.sampled_from(["token", "block"]), processors=st.booleans())
+def test_random_cases(seed, n, vocab, dtype, kind, method, processors):
+    case = _case(seed, n, vocab, dtype, kind, draft_vocab=max(1, vocab - seed % 3),
+                 processors=processors)
+    _compare(*case, method)
+
+
+def test_public_sample_uses_triton(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    logits, _, _, batch, pos, _ = _case(5, 4, 257, torch.bfloat16, "onehot")
+    logits = logits[:4]
+    paths.reset()
+    with paths.forbid("torch.*", "triton.*.general"):
+        out = specsample.sample(logits, batch, positions=pos)
+    assert paths.counts()["triton.sample.fused"]["rows"] == 4
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+    ref = specsample.sample(logits, batch, positions=pos)
+    assert torch.equal(out.token_ids, ref.token_ids)
+
+
+def test_compile_guard_modes():
+    with pytest.raises(ValueError, match="on_compile"):
+        triton_backend.install_compile_guard("explode")

@@ -1,0 +1,152 @@
+"""GPU suite for the Triton backend (``pytest -m gpu``; skipped without CUDA).
+
+Real vocabulary sizes, CUDA-graph capture and replay with new data, no host synchronisation on
+the fused path, and the warmup compile guard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, paths, torch_backend
+from specsample.plan import build_plan
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available():
+    from specsample import triton_backend
+
+
+def _realistic(n_rows: int, vocab: int, gen: torch.Generator, dtype) -> torch.Tensor:
+    """Peaked, Zipf-like rows: logit of rank r ~ 12 - 2.2 log(1 + r) plus noise, permuted."""
+    ranks = torch.arange(vocab, dtype=torch.float32)
+    profile = 12.0 - 2.2 * torch.log1p(ranks)
+    rows = []
+    for _ in range(n_rows):
+        perm = torch.randperm(vocab, generator=gen)
+        rows.append(profile[perm] + 0.5 * torch.randn(vocab, generator=gen))
+    return torch.stack(rows).to("cuda", dtype)
+
+
+def _inputs(vocab, dtype, kind, n=8, seed=0, temps=(0.0, 0.7, 1.0, 1.3)):
+    gen = torch.Generator().manual_seed(seed)
+    ks = [4] * n
+    ks[1] = 0
+    logits = _realistic(n + sum(ks), vocab, gen, dtype)
+    top = logits.float().argmax(-1).cpu()
+    drafts, r = [], 0
+    for k in ks:
+        for j in range(k):
+            drafts.append(int(top[r + j]) if torch.rand((), generator=gen) < 0.7 else
+                          int(torch.randint(0, vocab, (), generator=gen)))
+        r += k + 1
+    d = torch.tensor(drafts, dtype=torch.int64, device="cuda")
+    extra = {}
+    target_rows = torch.cat([logits[sum(ks[:i]) + i: sum(ks[:i]) + i + ks[i]] for i in range(n)])
+    if kind == "draft_logits":
+        extra["draft_logits"] = (target_rows.float() + torch.randn(
+            target_rows.shape, generator=gen).to("cuda")).to(dtype)
+    elif kind == "draft_probs":
+        extra["draft_probs"] = torch.softmax(target_rows.float() / 0.9, -1)
+    params = [SamplingParams(temperature=temps[i % len(temps)], seed=100 + i) for i in range(n)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device="cuda")
+    pos = torch.arange(n, dtype=torch.int64, device="cuda") * 1000 + 17
+    return logits, d, ks, batch, pos, extra
+
+
+@pytest.mark.parametrize("vocab", [151936, 248320])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_equivalence_real_vocab(vocab, dtype, kind, method):
+    logits, d, ks, batch, pos, extra = _inputs(vocab, dtype, kind)
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      draft_logits=extra.get("draft_logits"),
+                      draft_probs=extra.get("draft_probs"), positions=pos, method=method)
+    ref, ref_err = torch_backend.verify(plan)
+    out, err, path = triton_backend.run(plan, "verify")
+    assert path == "triton.verify.fused"
+    assert torch.equal(err, ref_err)
+    assert torch.equal(out.token_ids, ref.token_ids), (out.token_ids, ref.token_ids)
+    assert torch.equal(out.num_accepted, ref.num_accepted)
+
+
+@pytest.mark.parametrize("vocab", [151936, 248320])
+def test_sample_equivalence_and_no_host_sync(vocab):
+    logits, _, _, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=64)
+    logits = logits[:64]
+    ref = specsample.sample(logits, batch, positions=pos)  # warm (compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = specsample.sample(logits, batch, positions=pos, strict=False)
+        d = torch.zeros(0, dtype=torch.int64, device="cuda")
+        specsample.verify(logits, d, [0] * 64, batch, positions=pos, strict=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * 64,
+                      draft_logits=None, draft_probs=None, positions=pos, method="token")
+    tref, _ = torch_backend.verify(plan)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    assert torch.equal(out.token_ids, tref.token_ids[:, 0])
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
+def test_cuda_graph_capture_and_replay(kind):
+    vocab = 151936
+    logits, d, ks, batch, pos, extra = _inputs(vocab, torch.bfloat16, kind, n=8, seed=1)
+    static = {"logits": logits.clone(), "d": d.clone(), "pos": pos.clone()}
+    if kind == "draft_logits":
+        static["dl"] = extra["draft_logits"].clone()
+
+    def call():
+        return specsample.verify(static["logits"], static["d"], ks, batch,
+                                 draft_logits=static.get("dl"), positions=static["pos"],
+                                 strict=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = call()
+    for seed in (2, 3):
+        logits2, d2, _, _, pos2, extra2 = _inputs(vocab, torch.bfloat16, kind, n=8, seed=seed)
+        static["logits"].copy_(logits2)
+        static["d"].copy_(d2)
+        static["pos"].copy_(pos2)
+        if kind == "draft_logits":
+            static["dl"].copy_(extra2["draft_logits"])
+        graph.replay()
+        eager = specsample.verify(logits2, d2, ks, batch, draft_logits=extra2.get(
+            "draft_logits"), positions=pos2, strict=False)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out.token_ids, eager.token_ids)
+        assert torch.equal(graph_out.num_accepted, eager.num_accepted)
+
+
+def test_warmup_then_no_compilation():
+    vocab = 32000
+    specsample.warmup("cuda", vocab_size=vocab, on_compile="raise")
+    assert triton_backend.compilations_after_warmup() == []
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for kind in ("onehot", "draft_logits", "draft_probs"):
+            for method in ("token", "block"):
+                logits, d, ks, batch, pos, extra = _inputs(vocab, dtype, kind, n=5,
+                                                           seed=int(torch.randint(0, 99, (),
+                                                                                  generator=gen)))
+                specsample.verify(logits, d, ks, batch, positions=pos, method=method,
+                                  strict=False, **extra)
+        specsample.sample(logits[:5], batch, positions=pos, strict=False)
+        general = SamplingBatch.from_params(
+            [SamplingParams(temperature=0.5, top_k=3, seed=1)] * 5, vocab_size=vocab,
+            device="cuda")
+        specsample.sample(logits[:5], general, positions=pos, strict=False)
+    assert triton_backend.compilations_after_warmup() == []
+    paths.reset()
