@@ -90,6 +90,14 @@ def test_matches_torch_backend(kind, method, dtype):
     assert path == "triton.verify.fused"
 
 
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_multi_tile_vocabulary(kind, method):
+    """V spans three sampling tiles (rng.TILE = 2048): tile draw, then token draw."""
+    case = _case(13, 3, 2 * 2048 + 37, torch.bfloat16, kind, draft_vocab=2 * 2048 + 1)
+    _compare(*case, method)
+
+
 @pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
 def test_general_path_matches(kind):
     case = _case(11, 5, 200, torch.bfloat16, kind, processors=True)

@@ -40,8 +40,17 @@ Key reuse across steps for the other streams is unbiased: a decision at a positi
 made once a token is emitted there, and later steps start after the last emitted position; noise
 drawn at positions past the first rejection was never used by any decision.
 
-Uniforms have 23 bits: ``u = ((x >> 9) + 0.5) * 2**-23`` lies in ``[2**-24, 1 - 2**-24]``, never
-0 or 1, so ``-log(-log(u))`` is finite and bounded by ``GUMBEL_MAX`` (about 16.64).
+Uniforms have 52 bits, from output words 0 and 1:
+``u = ((w0 >> 6) * 2**26 + (w1 >> 6) + 0.5) * 2**-52`` in float64 (exact), strictly inside
+(0, 1), and Gumbel noise is ``-log(-log(u))`` in float64. The largest u is 1 - 2**-53, so the
+noise is the continuous Gumbel law truncated above ``GUMBEL_MAX`` (about 36.7): the chance that any of a
+row's draws would have been cut there is below 1e-12, far under anything measurable.
+
+Sampling a row uses two levels of Gumbel-max (see ``docs/semantics.md``): the vocabulary is
+cut into tiles of ``TILE`` tokens; a tile is drawn with keys ``logsumexp(tile) + G`` on the
+``*_TILE`` stream (counter = tile index), then a token inside it with keys ``z + G`` on the token
+stream (counter = token id). Because ``P(tile) * P(token | tile) = p(token)`` the draw is exact,
+and it needs noise for one tile per row instead of the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -55,6 +64,12 @@ STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
 STREAM_BLOCK_ACCEPT = 3
 STREAM_DRAFT = 4
+STREAM_SAMPLE_TILE = 5
+STREAM_RESIDUAL_TILE = 6
+
+#: Tokens per sampling tile (part of the random-number definition: never tied to a kernel's
+#: block size, so every backend draws the same tokens).
+TILE = 2048
 
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
@@ -63,11 +78,11 @@ PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
 MASK32 = 0xFFFFFFFF
 
-UNIFORM_SCALE = 2.0**-23
-#: Largest Gumbel value the 23-bit uniform can produce, rounded up: -log(-log(1 - 2**-24)).
-GUMBEL_MAX = 16.64
-#: Smallest Gumbel value: -log(-log(2**-24)).
-GUMBEL_MIN = -2.82
+UNIFORM_SCALE = 2.0**-52
+#: Largest Gumbel value the 52-bit uniform can produce, rounded up: -log(-log(1 - 2**-53)).
+GUMBEL_MAX = 36.75
+#: Smallest Gumbel value: -log(-log(2**-53)), rounded down.
+GUMBEL_MIN = -3.61
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -93,11 +108,11 @@ def philox_scalar(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tuple
 
 
 def uniform_scalar(seed: int, position: int, counter: int, stream: int) -> float:
-    """The uniform in (0, 1) for one key, on Python numbers (float32-exact value)."""
+    """The uniform in (0, 1) for one key, on Python numbers (the exact float64 value)."""
     k0, k1 = split_seed(seed)
-    x = philox_scalar(counter & MASK32, position & MASK32, (position >> 32) & MASK32, stream,
-                      k0, k1)[0]
-    return ((x >> 9) + 0.5) * UNIFORM_SCALE
+    w = philox_scalar(counter & MASK32, position & MASK32, (position >> 32) & MASK32, stream,
+                      k0, k1)
+    return ((w[0] >> 6) * 2**26 + (w[1] >> 6) + 0.5) * UNIFORM_SCALE
 
 
 def gumbel_scalar(seed: int, position: int, counter: int, stream: int) -> float:
@@ -118,10 +133,10 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
-           k0: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
-    """Word 0 of Philox4x32-10 on broadcastable int64 tensors holding uint32 values.
+           k0: torch.Tensor, k1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Words 0 and 1 of Philox4x32-10 on broadcastable int64 tensors holding uint32 values.
 
-    Returns an int64 tensor of uint32 values with the broadcast shape of the inputs.
+    Returns two int64 tensors of uint32 values with the broadcast shape of the inputs.
     """
     shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape, k1.shape)
     c0, c1, c2, c3 = (t.expand(shape) for t in (c0, c1, c2, c3))
@@ -131,23 +146,23 @@ def philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tenso
         c0, c1, c2, c3 = hi0 ^ c1 ^ k0, lo0, hi1 ^ c3 ^ k1, lo1
         k0 = (k0 + PHILOX_KEY_A) & MASK32
         k1 = (k1 + PHILOX_KEY_B) & MASK32
-    return c0
+    return c0, c1
 
 
 def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
             counter: torch.Tensor, stream: int) -> torch.Tensor:
-    """Float32 uniforms in (0, 1) for broadcastable keys (all int64 tensors).
+    """Float64 53-bit uniforms in (0, 1) for broadcastable keys (all int64 tensors).
 
     ``seed_lo`` / ``seed_hi``: the key words; ``position``: absolute positions (int64 >= 0);
     ``counter``: token ids or scalar indices (int64 >= 0); ``stream``: a ``STREAM_*`` constant.
     """
     c3 = torch.full((), stream, dtype=torch.int64, device=position.device)
-    x = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
-               seed_lo, seed_hi)
-    return ((x >> 9).to(torch.float32) + 0.5) * UNIFORM_SCALE
+    w0, w1 = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
+                    seed_lo, seed_hi)
+    return (((w0 >> 6) << 26) + (w1 >> 6)).to(torch.float64).add_(0.5).mul_(UNIFORM_SCALE)
 
 
 def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
            counter: torch.Tensor, stream: int) -> torch.Tensor:
-    """Float32 Gumbel(0, 1) noise ``-log(-log(u))`` for broadcastable keys (see ``uniform``)."""
+    """Float64 Gumbel(0, 1) noise ``-log(-log(u))`` for broadcastable keys (see ``uniform``)."""
     return -torch.log(-torch.log(uniform(seed_lo, seed_hi, position, counter, stream)))

@@ -25,7 +25,7 @@ import warnings
 import torch
 import triton
 
-from .. import paths
+from .. import paths, rng
 from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..processing import process_rows
@@ -33,8 +33,7 @@ from ..torch_backend import emitted_logprobs
 from . import kernels
 
 S_MAX = 128  # most vocabulary splits of one row
-BLOCK_GPU = 2048
-BLOCK_INTERPRET = 128
+BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
 NUM_WARPS = 8
 
 
@@ -60,22 +59,22 @@ def _splits(rows: int, vocab: int, block: int, device: torch.device) -> tuple[in
 
 
 def _launch_stats(x: torch.Tensor, row_req, row_j, k_eff, live_extra: int, temp, *,
-                  is_probs: bool, write_tilemax: bool, block: int):
+                  is_probs: bool, write_tiles: bool):
     rows, vocab = x.shape
     dev = x.device
-    s, tps, nt = _splits(rows, vocab, block, dev)
+    s, tps, nt = _splits(rows, vocab, BLOCK, dev)
     part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_a = torch.empty(rows, s, dtype=torch.int32, device=dev)
     part_f = torch.empty(rows, s, dtype=torch.int32, device=dev)
-    tilemax = torch.empty(rows if write_tilemax else 1, nt, dtype=torch.float32, device=dev)
+    tiles = torch.empty(2, rows if write_tiles else 1, nt, dtype=torch.float32, device=dev)
     if rows:
         kernels.stats_kernel[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, k_eff, live_extra, temp,
-            part_m, part_s, part_a, part_f, tilemax, s, tps, nt,
-            IS_PROBS=is_probs, WRITE_TILEMAX=write_tilemax, BLOCK=block,
+            part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, tps, nt,
+            IS_PROBS=is_probs, WRITE_TILES=write_tiles, BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_a, part_f, tilemax), (s, tps, nt)
+    return (part_m, part_s, part_a, part_f, tiles), (s, tps, nt)
 
 
 def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -93,7 +92,6 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     """
     batch = plan.batch
     dev = plan.logits.device
-    block = BLOCK_INTERPRET if _interpreting(dev) else BLOCK_GPU
     n, k = plan.num_requests, plan.max_k
     general = batch.needs_general_path
     if general:
@@ -106,9 +104,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     if not general:
         path = f"triton.{op}.fused"
     req_temp = batch.temperature
-    (part_m, part_s, part_a, part_f, tilemax), (s, tps, nt) = _launch_stats(
-        x, plan.row_req, plan.row_j, plan.k_eff, 1, temp, is_probs=False, write_tilemax=True,
-        block=block)
+    (part_m, part_s, part_a, part_f, tiles), (s, tps, nt) = _launch_stats(
+        x, plan.row_req, plan.row_j, plan.k_eff, 1, temp, is_probs=False, write_tiles=True)
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
@@ -116,36 +113,35 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
         draft = _contiguous_rows(draft, "draft")
         (dpart_m, dpart_s, dpart_a, dpart_f, _), (ds, _, _) = _launch_stats(
             draft, plan.draft_req, plan.draft_j, plan.k_eff, 0, req_temp, is_probs=is_probs,
-            write_tilemax=False, block=block)
+            write_tiles=False)
         dstride, dv = draft.stride(0), draft.shape[1]
     else:
         draft, dstride, dv, ds = part_m, 0, 1, 1
         dpart_m, dpart_s, dpart_a, dpart_f = part_m, part_s, part_a, part_f
 
     rows = plan.num_rows
-    best_key = torch.empty(rows, s, dtype=torch.float32, device=dev)
-    best_idx = torch.empty(rows, s, dtype=torch.int32, device=dev)
+    y = torch.empty(rows, dtype=torch.int32, device=dev)
+    stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
-    kernels.sample_kernel[(rows, s)](
+    kernels.sample_kernel[(rows,)](
         x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, plan.k_eff, temp, req_temp,
-        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_a, tilemax, best_key,
-        best_idx, s, tps, nt, S_MAX=S_MAX, BLOCK=block, num_warps=warps)
+        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_a, part_f,
+        tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
-    stats = torch.empty(rows, 2, dtype=torch.float32, device=dev)
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
     kernels.finish_kernel[(n,)](
         x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
         plan.positions, plan.row_start, plan.draft_start, plan.k_eff, draft_ids,
-        part_m, part_s, part_a, part_f, tilemax, best_key, best_idx, s, nt,
+        y, stats, tiles[0], tiles[1], nt,
         draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
-        token_ids, num_accepted, err, stats, k,
+        token_ids, num_accepted, err, k,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
-        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=block,
-        num_warps=1)
+        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=BLOCK,
+        num_warps=4 if not _interpreting(dev) else 1)
 
     invalid = err != 0
     logprobs = logprob_ids = None

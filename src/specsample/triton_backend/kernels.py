@@ -1,18 +1,16 @@
 """Triton kernels: one pass over the logits, temperature fused, no FP32 copy.
 
-Three launches per call (docs/triton.md has the picture):
+Two launches per call:
 
 1. ``stats_kernel`` (grid rows x vocabulary splits): reads each live row once in its own dtype
    and writes, per split, the running max, the sum of exp((x - max) / T) (online softmax), the
-   argmax (lowest id), validity flags, and the maximum of every vocabulary tile.
-2. ``sample_kernel`` (same grid): Gumbel-max sampling of every sampled row. From the global max
-   and the noise of the row's argmax it knows a lower bound on the winning key, so a tile whose
-   maximum cannot beat it (tile max + GUMBEL_MAX below the bound) is neither read again nor
-   given noise: for peaked LLM rows only a few tiles are touched.
-3. ``finish_kernel`` (grid requests): combines the per-split results, then greedy / one-hot
-   prefix matching, token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
-   verification (Sun et al. 2024, Alg. 2) with a residual draw over the rejected row pair only,
-   and writes the outputs.
+   argmax (lowest id) and validity flags; and, per ``rng.TILE``-wide vocabulary tile, the tile's
+   max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass.
+2. ``finish_kernel`` (grid requests): per row, the exact two-level Gumbel-max draw (a tile from
+   the tile log-masses, then a token inside that one tile: one tile re-read and noise for
+   2048 + NT values instead of V), then greedy / one-hot prefix matching, token-level
+   rejection sampling (Leviathan et al. 2023, Alg. 1) or block verification (Sun et al. 2024,
+   Alg. 2) with a residual draw over the rejected row pair only, and the outputs.
 
 The random numbers are ``specsample.rng``'s Philox4x32-10 function bit for bit.
 """
@@ -28,8 +26,10 @@ STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
 STREAM_ACCEPT = tl.constexpr(rng.STREAM_ACCEPT)
 STREAM_RESIDUAL = tl.constexpr(rng.STREAM_RESIDUAL)
 STREAM_BLOCK_ACCEPT = tl.constexpr(rng.STREAM_BLOCK_ACCEPT)
-GUMBEL_MAX = tl.constexpr(rng.GUMBEL_MAX)
+STREAM_SAMPLE_TILE = tl.constexpr(rng.STREAM_SAMPLE_TILE)
+STREAM_RESIDUAL_TILE = tl.constexpr(rng.STREAM_RESIDUAL_TILE)
 UNIFORM_SCALE = tl.constexpr(rng.UNIFORM_SCALE)
+NT_CHUNK = tl.constexpr(128)
 
 # NaN or +inf (logits), or NaN / inf / negative (draft probs)
 FLAG_BAD = tl.constexpr(1)
@@ -46,8 +46,8 @@ _NOSPEC = dict(do_not_specialize=[
 
 
 @triton.jit
-def _philox_word0(c0, c1, c2, c3, k0, k1):
-    """Word 0 of Philox4x32-10 (uint32 tensors), as ``rng.philox``."""
+def _philox_words01(c0, c1, c2, c3, k0, k1):
+    """Words 0 and 1 of Philox4x32-10 (uint32 tensors), as ``rng.philox``."""
     for _ in tl.static_range(10):
         hi0 = tl.umulhi(c2, 0xCD9E8D57)
         lo0 = c2 * 0xCD9E8D57
@@ -59,12 +59,13 @@ def _philox_word0(c0, c1, c2, c3, k0, k1):
         c3 = lo1
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    return c0
+    return c0, c1
 
 
 @triton.jit
 def _uniform(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
-    """Float32 uniform in (0, 1) for key (seed, position, counter, stream), as ``rng.uniform``.
+    """Float64 52-bit uniform in (0, 1) for key (seed, position, counter, stream), as
+    ``rng.uniform``.
 
     ``seed_lo`` / ``seed_hi`` / ``pos``: int64 scalars; ``counter``: int32/int64 tensor.
     """
@@ -76,8 +77,10 @@ def _uniform(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
     c3 = zero + stream
     k0 = zero + seed_lo.to(tl.uint32)
     k1 = zero + seed_hi.to(tl.uint32)
-    x = _philox_word0(c0, c1, c2, c3, k0, k1)
-    return ((x >> 9).to(tl.float32) + 0.5) * UNIFORM_SCALE
+    w0, w1 = _philox_words01(c0, c1, c2, c3, k0, k1)
+    hi = (w0 >> 6).to(tl.float64)
+    lo = (w1 >> 6).to(tl.float64)
+    return (hi * 67108864.0 + lo + 0.5) * UNIFORM_SCALE
 
 
 @triton.jit
@@ -87,11 +90,13 @@ def _gumbel(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
 
 @triton.jit(**_NOSPEC)
 def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, live_extra, temp_ptr,
-                 part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, S, TPS, NT,
-                 IS_PROBS: tl.constexpr, WRITE_TILEMAX: tl.constexpr, BLOCK: tl.constexpr):
+                 part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
+                 S, TPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Per (row, split): max, sum exp((x - max) / T) (or the plain sum for probabilities),
-    argmax (lowest id), flags, and each tile's max. Rows past the request's live range
-    (``j >= k_eff + live_extra``) are not read."""
+    argmax (lowest id) and flags; with WRITE_TILES, each tile's max and sum
+    exp((x - tile max) / T). Rows past the request's live range (``j >= k_eff + live_extra``)
+    are not read."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
@@ -120,16 +125,20 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, live_extra,
             flags |= tl.max(fin.to(tl.int32), axis=0) * FLAG_FINITE
             xs = tl.where(fin, x, -float("inf"))
             tmax = tl.max(xs, axis=0)
-            if WRITE_TILEMAX:
-                tl.store(tilemax_ptr + r.to(tl.int64) * NT + tile, tmax, mask=tile < NT)
             targ = tl.argmax(xs, axis=0).to(tl.int32) + tile * BLOCK
             amax = tl.where(tmax > m, targ, amax)
             m_new = tl.maximum(m, tmax)
             if IS_PROBS:
                 acc += tl.sum(tl.where(fin, x, 0.0), axis=0)
             else:
+                tmax_safe = tl.where(tmax == -float("inf"), 0.0, tmax)
+                tsum = tl.sum(tl.exp((xs - tmax_safe) / t), axis=0)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                acc = acc * tl.exp((m - m_safe) / t) + tl.sum(tl.exp((xs - m_safe) / t), axis=0)
+                acc = acc * tl.exp((m - m_safe) / t) + tsum * tl.exp((tmax - m_safe) / t)
+                if WRITE_TILES:
+                    o_t = r.to(tl.int64) * NT + tile
+                    tl.store(tilemax_ptr + o_t, tmax, mask=tile < NT)
+                    tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
             m = m_new
     o = r.to(tl.int64) * S + s
     tl.store(part_m_ptr + o, m)
@@ -173,60 +182,64 @@ def _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
     return m, tl.log(total), a, flags
 
 
+@triton.jit
+def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
+                  pos, BLOCK: tl.constexpr):
+    """Exact draw from softmax((x - m) / t) of row ``r`` by two-level Gumbel-max: a tile with
+    keys log-mass + G (STREAM_SAMPLE_TILE), then a token of that tile with keys
+    (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
+    best = tl.full((), -float("inf"), tl.float64)
+    bt = 0
+    for c in range(0, NT, NT_CHUNK):
+        offs = c + tl.arange(0, NT_CHUNK)
+        ok = offs < NT
+        o = r.to(tl.int64) * NT + offs
+        tm = tl.load(tilemax_ptr + o, mask=ok, other=-float("inf"))
+        ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
+        has = ok & (ts > 0) & (tm > -float("inf"))
+        lm = (tl.where(has, tm, m) - m) / t + tl.log(tl.where(has, ts, 1.0))
+        key = lm.to(tl.float64) + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
+        key = tl.where(has, key, -float("inf"))
+        kmax = tl.max(key, axis=0)
+        kidx = tl.argmax(key, axis=0) + c
+        bt = tl.where(kmax > best, kidx, bt)
+        best = tl.maximum(best, kmax)
+    offs = bt * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
+                other=-float("inf")).to(tl.float32)
+    fin = (x > -float("inf")) & (x < float("inf"))
+    key = tl.where(fin, (x - m) / t, -float("inf")).to(tl.float64)
+    key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
+    key = tl.where(fin, key, -float("inf"))
+    return (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
+
+
 @triton.jit(**_NOSPEC)
 def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, temp_ptr, req_temp_ptr,
-                  seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_a_ptr, tilemax_ptr,
-                  best_key_ptr, best_idx_ptr, S, TPS, NT,
+                  seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_a_ptr,
+                  part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (row, split) of a live sampled row: the best Gumbel key (x - max) / T + G and its id
-    over the split's tiles that can still win. Greedy and dead rows write -inf."""
+    """One program per live row: combine the row's splits into (max, log-normaliser, flags),
+    and draw the row's token: argmax for greedy requests, else the exact two-level Gumbel-max
+    draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags)."""
     r = tl.program_id(0)
-    s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= tl.load(keff_ptr + req)
-    sampled = tl.load(req_temp_ptr + req) > 0
-    best = -float("inf")
-    bidx = 0
-    if live & sampled:
-        t = tl.load(temp_ptr + req)
-        t = tl.where(t > 0, t, 1.0)
-        m, a = _row_max(part_m_ptr, part_a_ptr, r, S, S_MAX)
-        seed_lo = tl.load(seed_lo_ptr + req)
-        seed_hi = tl.load(seed_hi_ptr + req)
-        pos = tl.load(pos_ptr + req) + j
-        bound = _gumbel(seed_lo, seed_hi, pos, a, STREAM_SAMPLE)
-        base = x_ptr + r.to(tl.int64) * stride
-        offs0 = tl.arange(0, BLOCK)
-        t_lo = s * TPS
-        if m > -float("inf"):
-            for tile in range(t_lo, t_lo + TPS):
-                tmax = tl.load(tilemax_ptr + r.to(tl.int64) * NT + tile, mask=tile < NT,
-                               other=-float("inf"))
-                if (tmax - m) / t + GUMBEL_MAX >= bound:
-                    offs = tile * BLOCK + offs0
-                    x = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-                    fin = (x > -float("inf")) & (x < float("inf"))
-                    key = tl.where(fin, (x - m) / t, -float("inf"))
-                    key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
-                    kmax = tl.max(key, axis=0)
-                    kidx = tl.argmax(key, axis=0).to(tl.int32) + tile * BLOCK
-                    bidx = tl.where(kmax > best, kidx, bidx)
-                    best = tl.maximum(best, kmax)
-    o = r.to(tl.int64) * S + s
-    tl.store(best_key_ptr + o, best)
-    tl.store(best_idx_ptr + o, bidx)
-
-
-@triton.jit
-def _row_sample(best_key_ptr, best_idx_ptr, r, S, S_MAX: tl.constexpr):
-    offs = tl.arange(0, S_MAX)
-    o = r.to(tl.int64) * S + offs
-    ok = offs < S
-    bk = tl.load(best_key_ptr + o, mask=ok, other=-float("inf"))
-    bi = tl.load(best_idx_ptr + o, mask=ok, other=0)
-    kmax = tl.max(bk, axis=0)
-    return tl.min(tl.where(ok & (bk == kmax), bi, 2147483647), axis=0)
+    t = tl.load(temp_ptr + req)
+    t = tl.where(t > 0, t, 1.0)
+    m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
+                                   False, S_MAX)
+    y = a
+    if live & (tl.load(req_temp_ptr + req) > 0) & (m > -float("inf")) & (m < float("inf")):
+        y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
+                          tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
+                          tl.load(pos_ptr + req) + j, BLOCK)
+    tl.store(out_y_ptr + r, y)
+    o = r.to(tl.int64) * 3
+    tl.store(out_stats_ptr + o, m)
+    tl.store(out_stats_ptr + o + 1, logz)
+    tl.store(out_stats_ptr + o + 2, flags.to(tl.float32))
 
 
 @triton.jit
@@ -243,49 +256,56 @@ def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr):
 
 
 @triton.jit
-def _residual_tiles(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt,
-                    rho, seed_lo, seed_hi, pos, tilemax_ptr, NT, DRAFT_PROBS: tl.constexpr,
-                    SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
-    """Over target row ``xr`` and draft row ``dr``: with w = max(rho p - q, 0), either the
-    residual mass sum w (SAMPLE False) or the Gumbel-max draw argmax log w + G
-    (STREAM_RESIDUAL; SAMPLE True). Returns (mass or best key, best id)."""
-    offs0 = tl.arange(0, BLOCK)
+def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt,
+                      rho, offs, DRAFT_PROBS: tl.constexpr):
+    """w = max(rho p - q, 0) at token ids ``offs`` of target row ``xr`` / draft row ``dr``."""
+    x = tl.load(x_ptr + xr.to(tl.int64) * stride + offs, mask=offs < V,
+                other=-float("inf")).to(tl.float32)
+    fin = (x > -float("inf")) & (x < float("inf"))
+    p = tl.where(fin, tl.exp((x - m) / t - logz), 0.0)
+    dmask = offs < DV
+    y = tl.load(d_ptr + dr.to(tl.int64) * dstride + offs, mask=dmask, other=0.0).to(tl.float32)
+    if DRAFT_PROBS:
+        q = tl.where(dmask, y, 0.0)
+    else:
+        dfin = dmask & (y > -float("inf")) & (y < float("inf"))
+        q = tl.where(dfin, tl.exp((y - dm) / dt - dlogz), 0.0)
+    return tl.maximum(rho * p - q, 0.0)
+
+
+@triton.jit
+def _residual(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
+              seed_lo, seed_hi, pos, NT, DRAFT_PROBS: tl.constexpr, SAMPLE: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Over target row ``xr`` and draft row ``dr`` with w = max(rho p - q, 0): the residual mass
+    sum w (SAMPLE False), or an exact draw from w / sum w (SAMPLE True) by two-level Gumbel-max:
+    a tile with keys log(sum of w over the tile) + G (STREAM_RESIDUAL_TILE), then a token of it
+    with keys log w + G (STREAM_RESIDUAL). Returns (mass, token id; -1 when the mass is 0)."""
     total = 0.0
-    best = -float("inf")
-    bidx = 0
-    log_rho = tl.log(rho)
+    best = tl.full((), -float("inf"), tl.float64)
+    bt = 0
     for tile in range(0, NT):
-        tmax = tl.load(tilemax_ptr + xr.to(tl.int64) * NT + tile)
-        go = True
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                              dlogz, dt, rho, offs, DRAFT_PROBS)
+        mass = tl.sum(w, axis=0)
+        total += mass
         if SAMPLE:
-            go = log_rho + (tmax - m) / t - logz + GUMBEL_MAX >= best
-        if go:
-            offs = tile * BLOCK + offs0
-            x = tl.load(x_ptr + xr.to(tl.int64) * stride + offs, mask=offs < V,
-                        other=-float("inf")).to(tl.float32)
-            fin = (x > -float("inf")) & (x < float("inf"))
-            p = tl.where(fin, tl.exp((x - m) / t - logz), 0.0)
-            dmask = offs < DV
-            y = tl.load(d_ptr + dr.to(tl.int64) * dstride + offs, mask=dmask,
-                        other=0.0).to(tl.float32)
-            if DRAFT_PROBS:
-                q = tl.where(dmask, y, 0.0)
-            else:
-                dfin = dmask & (y > -float("inf")) & (y < float("inf"))
-                q = tl.where(dfin, tl.exp((y - dm) / dt - dlogz), 0.0)
-            w = tl.maximum(rho * p - q, 0.0)
-            if SAMPLE:
-                key = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
-                key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
-                kmax = tl.max(key, axis=0)
-                kidx = tl.argmax(key, axis=0).to(tl.int32) + tile * BLOCK
-                bidx = tl.where(kmax > best, kidx, bidx)
-                best = tl.maximum(best, kmax)
-            else:
-                total += tl.sum(w, axis=0)
+            key = tl.log(tl.where(mass > 0, mass, 1.0)).to(tl.float64) + _gumbel(
+                seed_lo, seed_hi, pos, tile, STREAM_RESIDUAL_TILE)
+            key = tl.where(mass > 0, key, -float("inf"))
+            bt = tl.where(key > best, tile, bt)
+            best = tl.maximum(best, key)
+    tok = -1
     if SAMPLE:
-        return best, bidx
-    return total, bidx
+        offs = bt * BLOCK + tl.arange(0, BLOCK)
+        w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                              dlogz, dt, rho, offs, DRAFT_PROBS)
+        key = tl.log(tl.where(w > 0, w, 1.0)).to(tl.float64) + _gumbel(
+            seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
+        key = tl.where(w > 0, key, -float("inf"))
+        tok = tl.where(best > -float("inf"), tl.argmax(key, axis=0) + bt * BLOCK, -1)
+    return total, tok
 
 
 @triton.jit
@@ -300,15 +320,14 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 @triton.jit(**_NOSPEC)
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                   row_start_ptr, draft_start_ptr, keff_ptr, draft_ids_ptr,
-                  part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr,
-                  best_key_ptr, best_idx_ptr, S, NT,
+                  y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
-                  out_tok_ptr, out_nacc_ptr, out_err_ptr, out_stats_ptr, K,
+                  out_tok_ptr, out_nacc_ptr, out_err_ptr, K,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per request: combine row statistics, decide acceptance, draw the
-    correction / bonus token, and write token ids [K+1], num_accepted, the error bitmask, and
-    per-row (max, log-normaliser) statistics for logprobs."""
+    """One program per request: decide acceptance from the rows' samples and statistics (from
+    ``sample_kernel``), draw the correction from the residual where a draft distribution was
+    rejected, and write token ids [K+1], num_accepted and the error bitmask."""
     i = tl.program_id(0)
     k = tl.load(keff_ptr + i)
     start = tl.load(row_start_ptr + i)
@@ -332,13 +351,12 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     res_row = k * 0
     for j in range(0, k + 1):
         r = start + j
-        m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
-                                       False, S_MAX)
-        tl.store(out_stats_ptr + r.to(tl.int64) * 2, m)
-        tl.store(out_stats_ptr + r.to(tl.int64) * 2 + 1, logz)
+        m = tl.load(stats_ptr + r.to(tl.int64) * 3)
+        logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1)
+        flags = tl.load(stats_ptr + r.to(tl.int64) * 3 + 2).to(tl.int32)
         err |= tl.where((flags & FLAG_BAD) != 0, ERR_LOGITS_NAN, 0)
         err |= tl.where((flags & (FLAG_BAD | FLAG_FINITE)) == 0, ERR_LOGITS_NO_FINITE, 0)
-        y = tl.where(req_t == 0, a, _row_sample(best_key_ptr, best_idx_ptr, r, S, S_MAX))
+        y = tl.load(y_ptr + r)
         is_draft = j < k
         d = tl.load(draft_ids_ptr + dstart + tl.where(is_draft, j, 0), mask=is_draft, other=0)
         bad_id = is_draft & ((d < 0) | (d >= V))
@@ -362,11 +380,10 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                 if BLOCK_METHOD:
                     if j > 0:
                         # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
-                        mass, _unused = _residual_tiles(
+                        mass, _unused = _residual(
                             x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                            dt, rho, seed_lo, seed_hi, pos0 + j, tilemax_ptr, NT, DRAFT_PROBS,
-                            False, BLOCK)
-                        denom = mass + 1.0 - rho
+                            dt, rho, seed_lo, seed_hi, pos0 + j, NT, DRAFT_PROBS, False, BLOCK)
+                        denom = mass + (1.0 - rho)
                         h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
                         u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
                         tau = tl.where(u <= h, j, tau)
@@ -397,16 +414,17 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     if (use_dist != 0) & (matching == 0):
         # Residual draw max(rho_tau p - q, 0) on the rejected row pair (rho_tau = 1: token level).
         r = start + res_row
-        m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
-                                       False, S_MAX)
+        m = tl.load(stats_ptr + r.to(tl.int64) * 3)
+        logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1)
         dr = dstart + res_row
         dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr,
                                            dr, DS, dt, DRAFT_PROBS, S_MAX)
-        best, bidx = _residual_tiles(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                     dlogz, dt, rho_tau, seed_lo, seed_hi, pos0 + res_row,
-                                     tilemax_ptr, NT, DRAFT_PROBS, True, BLOCK)
-        y = _row_sample(best_key_ptr, best_idx_ptr, r, S, S_MAX)
-        emit = tl.where(best > -float("inf"), bidx, y)
+        _mass, tok = _residual(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                               dlogz, dt, rho_tau, seed_lo, seed_hi, pos0 + res_row, NT,
+                               DRAFT_PROBS, True, BLOCK)
+        if tok < 0:  # degenerate residual (p == q to rounding): the row's target sample
+            tok = tl.load(y_ptr + r)
+        emit = tok.to(tl.int32)
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
