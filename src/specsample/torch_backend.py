@@ -2,8 +2,8 @@
 
 It computes exactly the function of docs/semantics.md, in float32, on any device (the CPU path
 of the library, and the general path's reference on GPU). One pass builds the processed logits
-``z'``; one-hot verification then samples every row with Gumbel-max (drawing noise only for the
-entries that can still win, see ``gumbel_argmax``) and matches drafts by prefix; draft
+``z'``; one-hot verification then samples every row by two-level Gumbel-max (noise for one
+vocabulary tile per row, see ``tiled_gumbel_argmax``) and matches drafts by prefix; draft
 distributions use token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
 verification (Sun et al. 2024, Alg. 2) with a residual draw on at most one row per request.
 """
@@ -49,22 +49,25 @@ def _or_per_request(flags: torch.Tensor, req: torch.Tensor, n: int, bit: int) ->
 
 
 def request_errors(plan: Plan) -> torch.Tensor:
-    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host sync)."""
+    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host sync).
+
+    One max per row finds every target-row error: NaN propagates through the max, +inf is
+    the max, and a row with no finite value has max -inf.
+    """
     n = plan.num_requests
-    x = plan.logits
+    mx = plan.logits.amax(dim=-1)
     live = plan.row_live
-    bad_nan = (torch.isnan(x) | torch.isposinf(x)).any(dim=-1) & live
-    no_finite = ~torch.isfinite(x).any(dim=-1) & live
+    bad_nan = (torch.isnan(mx) | torch.isposinf(mx)) & live
     err = _or_per_request(bad_nan, plan.row_req, n, ERR_LOGITS_NAN)
-    err |= _or_per_request(no_finite & ~bad_nan, plan.row_req, n, ERR_LOGITS_NO_FINITE)
+    err |= _or_per_request(torch.isneginf(mx) & live, plan.row_req, n, ERR_LOGITS_NO_FINITE)
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
         dlive = plan.draft_live
         bad_id = dlive & ((d < 0) | (d >= plan.vocab_size))
         err |= _or_per_request(bad_id, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
-            q = plan.draft_logits
-            bad = (torch.isnan(q) | torch.isposinf(q)).any(-1) | ~torch.isfinite(q).any(-1)
+            dmx = plan.draft_logits.amax(-1)
+            bad = torch.isnan(dmx) | torch.isinf(dmx)
             err |= _or_per_request(bad & dlive, plan.draft_req, n, ERR_DRAFT_ROW)
         elif plan.draft_probs is not None:
             q = plan.draft_probs
@@ -73,32 +76,48 @@ def request_errors(plan: Plan) -> torch.Tensor:
     return err
 
 
-def gumbel_argmax(z: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                  pos: torch.Tensor, stream: int) -> torch.Tensor:
-    """Per row ``argmax_x z[r, x] + G(seed, pos, x, stream)``, lowest id on ties.
+def tile_logsumexp(z: torch.Tensor) -> torch.Tensor:
+    """[R, NT] log-sum-exp of each ``rng.TILE``-wide vocabulary tile of ``z`` [R, V]."""
+    r, v = z.shape
+    nt = -(-v // rng.TILE)
+    pad = nt * rng.TILE - v
+    zt = torch.nn.functional.pad(z, (0, pad), value=-math.inf) if pad else z
+    return torch.logsumexp(zt.view(r, nt, rng.TILE), dim=-1)
 
-    ``z``: [R, V] float32 (-inf allowed); keys: [R] int64. Noise is drawn only for entries
-    with ``z + GUMBEL_MAX >= z_a + G_a`` (a = the row's argmax): no other entry can win.
-    Returns [R] int64. A row of all -inf returns 0 (callers handle it).
+
+def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo: torch.Tensor,
+                        seed_hi: torch.Tensor, pos: torch.Tensor, token_stream: int,
+                        tile_stream: int) -> torch.Tensor:
+    """Exact draw from softmax(z) per row by two-level Gumbel-max (docs/semantics.md).
+
+    A tile t is drawn with keys ``tile_lse[t] + G(seed, pos, t, tile_stream)``, then a token x
+    of that tile with keys ``z[x] + G(seed, pos, x, token_stream)``; ties go to the lowest
+    index. ``z``: [R, V] float32 (-inf allowed); ``tile_lse``: [R, NT] or None (computed);
+    keys [R] int64. Returns [R] int64; a row of all -inf returns an id of tile 0.
     """
-    a = z.argmax(dim=-1)
-    lower = z.gather(1, a[:, None]).squeeze(1) + rng.gumbel(seed_lo, seed_hi, pos, a, stream)
-    r, x = (z >= (lower - rng.GUMBEL_MAX)[:, None]).nonzero(as_tuple=True)
-    keys = z[r, x] + rng.gumbel(seed_lo[r], seed_hi[r], pos[r], x, stream)
-    best = torch.full_like(lower, -math.inf).scatter_reduce(0, r, keys, reduce="amax")
-    win = keys == best[r]
-    out = torch.zeros_like(a).scatter_reduce(0, r[win], x[win], reduce="amin",
-                                             include_self=False)
-    return out
+    r, v = z.shape
+    if tile_lse is None:
+        tile_lse = tile_logsumexp(z)
+    nt = tile_lse.shape[1]
+    t = torch.arange(nt, device=z.device)
+    tile_keys = tile_lse.double() + rng.gumbel(seed_lo[:, None], seed_hi[:, None],
+                                               pos[:, None], t[None, :], tile_stream)
+    best_tile = tile_keys.argmax(dim=-1)
+    tok = best_tile[:, None] * rng.TILE + torch.arange(rng.TILE, device=z.device)[None, :]
+    vals = z.gather(1, tok.clamp_max(v - 1)).double()
+    keys = vals + rng.gumbel(seed_lo[:, None], seed_hi[:, None], pos[:, None], tok, token_stream)
+    keys = torch.where(tok < v, keys, -math.inf)
+    return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def sample_rows(z: torch.Tensor, greedy: torch.Tensor, seed_lo: torch.Tensor,
-                seed_hi: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[R] int64: argmax for greedy rows, a Gumbel-max draw (STREAM_SAMPLE) for the others."""
-    y = z.argmax(dim=-1)
-    if bool((~greedy).any()):
-        idx = (~greedy).nonzero().squeeze(1)
-        y[idx] = gumbel_argmax(z[idx], seed_lo[idx], seed_hi[idx], pos[idx], rng.STREAM_SAMPLE)
+def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
+                seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[R] int64: argmax for greedy rows, an exact draw (STREAM_SAMPLE*) for the others."""
+    y = tiled_gumbel_argmax(z, tile_lse, seed_lo, seed_hi, pos, rng.STREAM_SAMPLE,
+                            rng.STREAM_SAMPLE_TILE)
+    if bool(greedy.any()):
+        idx = greedy.nonzero().squeeze(1)
+        y[idx] = z[idx].argmax(dim=-1)
     return y
 
 
@@ -148,7 +167,7 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
         q_x = q_row.gather(1, dsafe[:, j:j + 1]).squeeze(1)
         if j > 0:  # Z_j and h_j for 0 < j < k_eff use rho_j and row j.
             mass = torch.clamp(rho[:, j, None] * p_row - q_row, min=0).sum(-1)
-            denom = mass + 1 - rho[:, j]
+            denom = mass + (1 - rho[:, j])  # not (mass + 1) - rho: keeps a tiny Z_j
             h[:, j] = torch.where(mass > 0, mass / torch.where(denom > 0, denom, 1.0), 0.0)
         ratio = torch.where(q_x > 0, p_x / torch.where(q_x > 0, q_x, 1.0),
                             torch.where(p_x > 0, math.inf, 0.0))
@@ -179,7 +198,8 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
     if not batch.any_processed_logprobs:
         lp = torch.log_softmax(plan.logits[flat].float(), dim=-1)
-    elif all(p.logprobs is None or p.logprobs_mode == "processed" for p in batch.params):
+    elif all(p.logprobs_mode == "processed" for p in batch.params):
+        # (column 0 of a request without logprobs follows its own logprobs_mode too)
         lp = processed_logprobs(flat)
     else:
         lp = torch.where(processed[:, None], processed_logprobs(flat),
@@ -188,8 +208,13 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     col0 = lp.gather(1, tok[:, None])
     if n > 0:
         top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-        vals = torch.cat([col0, top_v[:, :n]], dim=1)
-        ids = torch.cat([tok[:, None], top_i[:, :n]], dim=1)
+        top_v, top_i = top_v[:, :n], top_i[:, :n]
+        if n > top_v.shape[1]:  # more logprobs asked than V: pad with -inf / -1
+            pad = n - top_v.shape[1]
+            top_v = torch.nn.functional.pad(top_v, (0, pad), value=-math.inf)
+            top_i = torch.nn.functional.pad(top_i, (0, pad), value=-1)
+        vals = torch.cat([col0, top_v], dim=1)
+        ids = torch.cat([tok[:, None], top_i], dim=1)
     else:
         vals, ids = col0, tok[:, None]
     vals = vals.reshape(*rows.shape, n + 1)
@@ -219,10 +244,12 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
     z = process_rows(plan)
-    lse = torch.logsumexp(z, dim=-1)
+    tile_lse = tile_logsumexp(z)
+    lse = torch.logsumexp(tile_lse, dim=-1)
     req = plan.row_req
     greedy_req = batch.temperature == 0
-    y = sample_rows(z, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req], plan.row_pos)
+    y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
+                    plan.row_pos)
 
     rows, d, didx = _grid(plan)
     k = plan.max_k
@@ -258,8 +285,9 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
             p_row = torch.exp(z[r] - lse[r, None])
             q_row = draft_distribution(plan, plan.draft_start[ridx] + ar)
             w = torch.clamp(rho_tau[ridx, None] * p_row - q_row, min=0)
-            res = gumbel_argmax(torch.log(w), batch.seed_lo[ridx], batch.seed_hi[ridx],
-                                plan.positions[ridx] + ar, rng.STREAM_RESIDUAL)
+            res = tiled_gumbel_argmax(torch.log(w), None, batch.seed_lo[ridx],
+                                      batch.seed_hi[ridx], plan.positions[ridx] + ar,
+                                      rng.STREAM_RESIDUAL, rng.STREAM_RESIDUAL_TILE)
             res = torch.where(w.sum(-1) > 0, res, y[r])
             emit = emit.clone()
             emit[ridx, ar] = res
