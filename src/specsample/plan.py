@@ -39,7 +39,17 @@ class Plan:
     row_j: torch.Tensor  # [T] int64
     draft_req: torch.Tensor  # [S] int64
     draft_j: torch.Tensor  # [S] int64
-    k_eff: torch.Tensor  # [N] int64, drafts before the first placeholder
+    k_given: torch.Tensor  # [N] int64, the k_i as given
+
+    @functools.cached_property
+    def k_eff(self) -> torch.Tensor:
+        """[N] int64: drafts before the request's first placeholder (-1), else k_i."""
+        if self.draft_token_ids.numel() == 0:
+            return self.k_given
+        first = torch.where(self.draft_token_ids == -1, self.draft_j,
+                            self.k_given[self.draft_req])
+        return self.k_given.scatter_reduce(0, self.draft_req, first, reduce="amin",
+                                           include_self=True)
 
     @property
     def vocab_size(self) -> int:
@@ -215,13 +225,9 @@ def build_plan(
     pos = _positions(positions, batch, n, device)
     layout = _layout(num_draft, device)
     row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given = layout
-    # k_eff: index of the first placeholder (-1) among a request's drafts, else k_i.
-    k_eff = k_given if s == 0 else k_given.scatter_reduce(
-        0, draft_req, torch.where(draft_token_ids == -1, draft_j, k_given[draft_req]),
-        reduce="amin", include_self=True)
     return Plan(
         logits=logits, batch=batch, num_draft=num_draft, max_k=max(num_draft), method=method,
         positions=pos, draft_token_ids=draft_token_ids, draft_logits=draft_logits,
         draft_probs=draft_probs, row_start=row_start, draft_start=draft_start, row_req=row_req,
-        row_j=row_j, draft_req=draft_req, draft_j=draft_j, k_eff=k_eff,
+        row_j=row_j, draft_req=draft_req, draft_j=draft_j, k_given=k_given,
     )

@@ -58,8 +58,8 @@ def _splits(rows: int, vocab: int, block: int, device: torch.device) -> tuple[in
     return s, tps, nt
 
 
-def _launch_stats(x: torch.Tensor, row_req, row_j, k_eff, live_extra: int, temp, *,
-                  is_probs: bool, write_tiles: bool):
+def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_extra: int,
+                  temp, *, is_probs: bool, write_tiles: bool):
     rows, vocab = x.shape
     dev = x.device
     s, tps, nt = _splits(rows, vocab, BLOCK, dev)
@@ -70,7 +70,8 @@ def _launch_stats(x: torch.Tensor, row_req, row_j, k_eff, live_extra: int, temp,
     tiles = torch.empty(2, rows if write_tiles else 1, nt, dtype=torch.float32, device=dev)
     if rows:
         kernels.stats_kernel[(rows, s)](
-            x, x.stride(0), vocab, row_req, row_j, k_eff, live_extra, temp,
+            x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
+            live_extra, temp,
             part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, tps, nt,
             IS_PROBS=is_probs, WRITE_TILES=write_tiles, BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
@@ -104,16 +105,19 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     if not general:
         path = f"triton.{op}.fused"
     req_temp = batch.temperature
+    draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
+        1, dtype=torch.int64, device=dev)
     (part_m, part_s, part_a, part_f, tiles), (s, tps, nt) = _launch_stats(
-        x, plan.row_req, plan.row_j, plan.k_eff, 1, temp, is_probs=False, write_tiles=True)
+        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
+        write_tiles=True)
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
     if draft is not None:
         draft = _contiguous_rows(draft, "draft")
         (dpart_m, dpart_s, dpart_a, dpart_f, _), (ds, _, _) = _launch_stats(
-            draft, plan.draft_req, plan.draft_j, plan.k_eff, 0, req_temp, is_probs=is_probs,
-            write_tiles=False)
+            draft, plan, plan.draft_req, plan.draft_j, draft_ids, 0, req_temp,
+            is_probs=is_probs, write_tiles=False)
         dstride, dv = draft.stride(0), draft.shape[1]
     else:
         draft, dstride, dv, ds = part_m, 0, 1, 1
@@ -124,26 +128,25 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
     kernels.sample_kernel[(rows,)](
-        x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, plan.k_eff, temp, req_temp,
+        x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
+        plan.k_given, temp, req_temp,
         batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_a, part_f,
         tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
-    draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
-        1, dtype=torch.int64, device=dev)
+    invalid = torch.empty(n, dtype=torch.bool, device=dev)
     kernels.finish_kernel[(n,)](
         x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
-        plan.positions, plan.row_start, plan.draft_start, plan.k_eff, draft_ids,
+        plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
         y, stats, tiles[0], tiles[1], nt,
         draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
-        token_ids, num_accepted, err, k,
+        token_ids, num_accepted, err, invalid, k,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
         BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=BLOCK,
         num_warps=4 if not _interpreting(dev) else 1)
 
-    invalid = err != 0
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", rows)

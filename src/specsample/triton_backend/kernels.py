@@ -88,8 +88,21 @@ def _gumbel(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
     return -tl.log(-tl.log(_uniform(seed_lo, seed_hi, pos, counter, stream)))
 
 
+@triton.jit
+def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
+    """Drafts of request ``req`` before its first placeholder (-1), else its k_i."""
+    kg = tl.load(k_given_ptr + req)
+    ds = tl.load(draft_start_ptr + req)
+    keff = kg
+    for j in range(0, kg):
+        d = tl.load(draft_ids_ptr + ds + j)
+        keff = tl.where((d == -1) & (keff == kg), j, keff)
+    return keff
+
+
 @triton.jit(**_NOSPEC)
-def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, live_extra, temp_ptr,
+def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+                 k_given_ptr, live_extra, temp_ptr,
                  part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
                  S, TPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -101,7 +114,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, live_extra,
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j < tl.load(keff_ptr + req) + live_extra
+    live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
     t = tl.load(temp_ptr + req)
     t = tl.where(t > 0, t, 1.0)
     m = -float("inf")
@@ -215,7 +228,8 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
 
 
 @triton.jit(**_NOSPEC)
-def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, temp_ptr, req_temp_ptr,
+def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+                  k_given_ptr, temp_ptr, req_temp_ptr,
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_a_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
@@ -225,7 +239,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, keff_ptr, temp_ptr, 
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j <= tl.load(keff_ptr + req)
+    live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
     t = tl.load(temp_ptr + req)
     t = tl.where(t > 0, t, 1.0)
     m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
@@ -319,17 +333,17 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 
 @triton.jit(**_NOSPEC)
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
-                  row_start_ptr, draft_start_ptr, keff_ptr, draft_ids_ptr,
+                  row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr,
                   y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
-                  out_tok_ptr, out_nacc_ptr, out_err_ptr, K,
+                  out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, K,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel``), draw the correction from the residual where a draft distribution was
     rejected, and write token ids [K+1], num_accepted and the error bitmask."""
     i = tl.program_id(0)
-    k = tl.load(keff_ptr + i)
+    k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)
     dstart = tl.load(draft_start_ptr + i)
     seed_lo = tl.load(seed_lo_ptr + i)
@@ -436,3 +450,4 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
         tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
     tl.store(out_nacc_ptr + i, n_acc.to(tl.int64))
     tl.store(out_err_ptr + i, err.to(tl.int64))
+    tl.store(out_invalid_ptr + i, invalid)
