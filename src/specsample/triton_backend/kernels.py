@@ -116,14 +116,19 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     j = tl.load(row_j_ptr + r)
     live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
     t = tl.load(temp_ptr + req)
-    t = tl.where(t > 0, t, 1.0)
+    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    offs0 = tl.arange(0, BLOCK)
+    # Per-lane accumulators, reduced once after the loop: the only per-tile reductions are
+    # the tile's max and its sum (the tile log-mass that sampling needs).
+    bad_v = tl.zeros([BLOCK], tl.int32)
+    fin_v = tl.zeros([BLOCK], tl.int32)
+    best_v = tl.full([BLOCK], -float("inf"), tl.float32)
+    besti_v = tl.zeros([BLOCK], tl.int32)
+    sum_v = tl.zeros([BLOCK], tl.float32)
     m = -float("inf")
     acc = 0.0
-    amax = 0
-    flags = 0
     if live:
         base = x_ptr + r.to(tl.int64) * stride
-        offs0 = tl.arange(0, BLOCK)
         t_lo = s * TPS
         for tile in range(t_lo, t_lo + TPS):  # tiles >= NT (last split) are fully masked
             offs = tile * BLOCK + offs0
@@ -134,25 +139,32 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                 bad = mask & ((x != x) | ~fin | (x < 0))
             else:
                 bad = (x != x) | (x == float("inf"))
-            flags |= tl.max(bad.to(tl.int32), axis=0) * FLAG_BAD
-            flags |= tl.max(fin.to(tl.int32), axis=0) * FLAG_FINITE
+            bad_v |= bad.to(tl.int32)
+            fin_v |= fin.to(tl.int32)
             xs = tl.where(fin, x, -float("inf"))
-            tmax = tl.max(xs, axis=0)
-            targ = tl.argmax(xs, axis=0).to(tl.int32) + tile * BLOCK
-            amax = tl.where(tmax > m, targ, amax)
-            m_new = tl.maximum(m, tmax)
+            upd = xs > best_v
+            besti_v = tl.where(upd, offs, besti_v)
+            best_v = tl.where(upd, xs, best_v)
             if IS_PROBS:
-                acc += tl.sum(tl.where(fin, x, 0.0), axis=0)
+                sum_v += tl.where(fin, x, 0.0)
             else:
+                tmax = tl.max(xs, axis=0)
                 tmax_safe = tl.where(tmax == -float("inf"), 0.0, tmax)
-                tsum = tl.sum(tl.exp((xs - tmax_safe) / t), axis=0)
+                tsum = tl.sum(tl.exp((xs - tmax_safe) * inv_t), axis=0)
+                m_new = tl.maximum(m, tmax)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                acc = acc * tl.exp((m - m_safe) / t) + tsum * tl.exp((tmax - m_safe) / t)
+                acc = acc * tl.exp((m - m_safe) * inv_t) + tsum * tl.exp((tmax - m_safe) * inv_t)
+                m = m_new
                 if WRITE_TILES:
                     o_t = r.to(tl.int64) * NT + tile
                     tl.store(tilemax_ptr + o_t, tmax, mask=tile < NT)
                     tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
-            m = m_new
+    vmax = tl.max(best_v, axis=0)
+    amax = tl.min(tl.where(best_v == vmax, besti_v, 2147483647), axis=0)
+    flags = tl.max(bad_v, axis=0) * FLAG_BAD | tl.max(fin_v, axis=0) * FLAG_FINITE
+    if IS_PROBS:
+        m = vmax
+        acc = tl.sum(sum_v, axis=0)
     o = r.to(tl.int64) * S + s
     tl.store(part_m_ptr + o, m)
     tl.store(part_s_ptr + o, acc)
