@@ -103,7 +103,8 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
     tile_keys = tile_lse.double() + rng.gumbel(seed_lo[:, None], seed_hi[:, None],
                                                pos[:, None], t[None, :], tile_stream)
     best_tile = tile_keys.argmax(dim=-1)
-    tok = best_tile[:, None] * rng.TILE + torch.arange(rng.TILE, device=z.device)[None, :]
+    width = min(rng.TILE, v)  # V < TILE: one tile of V tokens (no noise for padding)
+    tok = best_tile[:, None] * rng.TILE + torch.arange(width, device=z.device)[None, :]
     vals = z.gather(1, tok.clamp_max(v - 1)).double()
     keys = vals + rng.gumbel(seed_lo[:, None], seed_hi[:, None], pos[:, None], tok, token_stream)
     keys = torch.where(tok < v, keys, -math.inf)

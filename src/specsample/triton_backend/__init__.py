@@ -34,7 +34,9 @@ from . import kernels
 
 S_MAX = 128  # most vocabulary splits of one row
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
+TILES_PER_CHUNK = 4  # the stats kernel loads 4 tiles (8192 tokens) per iteration on GPU
 NUM_WARPS = 8
+PROGRAMS_PER_SM = 8
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -44,25 +46,28 @@ def _interpreting(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=8)
 def _num_programs_target(device: torch.device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * sms
     return 4
 
 
-def _splits(rows: int, vocab: int, block: int, device: torch.device) -> tuple[int, int, int]:
-    """(S, TPS, NT): splits per row, tiles per split and tiles per row for ``rows`` rows."""
-    nt = max(1, math.ceil(vocab / block))
+def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int, int, int]:
+    """(S, CPS, NT): splits per row, chunks (of ``tpc`` tiles) per split, tiles per row."""
+    nt = max(1, math.ceil(vocab / BLOCK))
+    chunks = math.ceil(nt / tpc)
     want = max(1, math.ceil(_num_programs_target(device) / max(rows, 1)))
-    s = min(want, nt, S_MAX)
-    tps = math.ceil(nt / s)
-    s = math.ceil(nt / tps)
-    return s, tps, nt
+    s = min(want, chunks, S_MAX)
+    cps = math.ceil(chunks / s)
+    s = math.ceil(chunks / cps)
+    return s, cps, nt
 
 
 def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_extra: int,
                   temp, *, is_probs: bool, write_tiles: bool):
     rows, vocab = x.shape
     dev = x.device
-    s, tps, nt = _splits(rows, vocab, BLOCK, dev)
+    tpc = 2 if _interpreting(dev) else TILES_PER_CHUNK
+    s, cps, nt = _splits(rows, vocab, tpc, dev)
     part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_a = torch.empty(rows, s, dtype=torch.int32, device=dev)
@@ -72,10 +77,10 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
         kernels.stats_kernel[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
             live_extra, temp,
-            part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, tps, nt,
-            IS_PROBS=is_probs, WRITE_TILES=write_tiles, BLOCK=BLOCK,
+            part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, cps, nt,
+            IS_PROBS=is_probs, WRITE_TILES=write_tiles, TPC=tpc, BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_a, part_f, tiles), (s, tps, nt)
+    return (part_m, part_s, part_a, part_f, tiles), (s, cps, nt)
 
 
 def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -107,7 +112,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     req_temp = batch.temperature
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
-    (part_m, part_s, part_a, part_f, tiles), (s, tps, nt) = _launch_stats(
+    (part_m, part_s, part_a, part_f, tiles), (s, _cps, nt) = _launch_stats(
         x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
         write_tiles=True)
 

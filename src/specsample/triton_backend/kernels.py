@@ -41,7 +41,7 @@ ERR_DRAFT_ID = tl.constexpr(4)
 ERR_DRAFT_ROW = tl.constexpr(8)
 
 _NOSPEC = dict(do_not_specialize=[
-    "stride", "V", "S", "TPS", "NT", "live_extra", "K", "dstride", "DV", "DS", "DTPS",
+    "stride", "V", "S", "CPS", "NT", "live_extra", "K", "dstride", "DV", "DS",
 ])
 
 
@@ -104,12 +104,13 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
 def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                  k_given_ptr, live_extra, temp_ptr,
                  part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
-                 S, TPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
+                 TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max, sum exp((x - max) / T) (or the plain sum for probabilities),
     argmax (lowest id) and flags; with WRITE_TILES, each tile's max and sum
-    exp((x - tile max) / T). Rows past the request's live range (``j >= k_eff + live_extra``)
-    are not read."""
+    exp((x - tile max) / T). A split covers CPS chunks of TPC tiles of BLOCK tokens: one load
+    of TPC * BLOCK elements per iteration keeps enough bytes in flight. Rows past the request's
+    live range (``j >= k_eff + live_extra``) are not read."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
@@ -117,21 +118,18 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
     t = tl.load(temp_ptr + req)
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
-    offs0 = tl.arange(0, BLOCK)
-    # Per-lane accumulators, reduced once after the loop: the only per-tile reductions are
-    # the tile's max and its sum (the tile log-mass that sampling needs).
-    bad_v = tl.zeros([BLOCK], tl.int32)
-    fin_v = tl.zeros([BLOCK], tl.int32)
-    best_v = tl.full([BLOCK], -float("inf"), tl.float32)
-    besti_v = tl.zeros([BLOCK], tl.int32)
-    sum_v = tl.zeros([BLOCK], tl.float32)
+    CHUNK: tl.constexpr = TPC * BLOCK
+    offs0 = tl.arange(0, CHUNK)
+    tiles0 = tl.arange(0, TPC)
+    flag_v = tl.zeros([CHUNK], tl.int32)  # per-lane flags, reduced once after the loop
+    sum_v = tl.zeros([CHUNK], tl.float32)
     m = -float("inf")
     acc = 0.0
+    amax = 0
     if live:
         base = x_ptr + r.to(tl.int64) * stride
-        t_lo = s * TPS
-        for tile in range(t_lo, t_lo + TPS):  # tiles >= NT (last split) are fully masked
-            offs = tile * BLOCK + offs0
+        for c in range(s * CPS, s * CPS + CPS):  # chunks past the row end are fully masked
+            offs = c * CHUNK + offs0
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
             fin = (x > -float("inf")) & (x < float("inf"))
@@ -139,31 +137,31 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                 bad = mask & ((x != x) | ~fin | (x < 0))
             else:
                 bad = (x != x) | (x == float("inf"))
-            bad_v |= bad.to(tl.int32)
-            fin_v |= fin.to(tl.int32)
+            flag_v |= bad.to(tl.int32) * FLAG_BAD | fin.to(tl.int32) * FLAG_FINITE
             xs = tl.where(fin, x, -float("inf"))
-            upd = xs > best_v
-            besti_v = tl.where(upd, offs, besti_v)
-            best_v = tl.where(upd, xs, best_v)
+            cmax = tl.max(xs, axis=0)
+            carg = tl.argmax(xs, axis=0).to(tl.int32) + c * CHUNK
+            amax = tl.where(cmax > m, carg, amax)
             if IS_PROBS:
                 sum_v += tl.where(fin, x, 0.0)
+                m = tl.maximum(m, cmax)
             else:
-                tmax = tl.max(xs, axis=0)
+                x2 = tl.reshape(xs, (TPC, BLOCK))
+                tmax = tl.max(x2, axis=1)
                 tmax_safe = tl.where(tmax == -float("inf"), 0.0, tmax)
-                tsum = tl.sum(tl.exp((xs - tmax_safe) * inv_t), axis=0)
-                m_new = tl.maximum(m, tmax)
+                tsum = tl.sum(tl.exp((x2 - tmax_safe[:, None]) * inv_t), axis=1)
+                m_new = tl.maximum(m, cmax)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                acc = acc * tl.exp((m - m_safe) * inv_t) + tsum * tl.exp((tmax - m_safe) * inv_t)
+                acc = acc * tl.exp((m - m_safe) * inv_t) + tl.sum(
+                    tsum * tl.exp((tmax - m_safe) * inv_t), axis=0)
                 m = m_new
                 if WRITE_TILES:
+                    tile = c * TPC + tiles0
                     o_t = r.to(tl.int64) * NT + tile
                     tl.store(tilemax_ptr + o_t, tmax, mask=tile < NT)
                     tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
-    vmax = tl.max(best_v, axis=0)
-    amax = tl.min(tl.where(best_v == vmax, besti_v, 2147483647), axis=0)
-    flags = tl.max(bad_v, axis=0) * FLAG_BAD | tl.max(fin_v, axis=0) * FLAG_FINITE
+    flags = tl.max(flag_v & FLAG_BAD, axis=0) | tl.max(flag_v & FLAG_FINITE, axis=0)
     if IS_PROBS:
-        m = vmax
         acc = tl.sum(sum_v, axis=0)
     o = r.to(tl.int64) * S + s
     tl.store(part_m_ptr + o, m)
