@@ -142,16 +142,31 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
+    res_row = torch.empty(n, dtype=torch.int64, device=dev)
+    res_rho = torch.empty(n, dtype=torch.float32, device=dev)
     kernels.finish_kernel[(n,)](
         x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
         plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
         y, stats, tiles[0], tiles[1], nt,
         draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
-        token_ids, num_accepted, err, invalid, k,
+        token_ids, num_accepted, err, invalid, res_row, res_rho, k,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
         BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=BLOCK,
         num_warps=4 if not _interpreting(dev) else 1)
 
+    if plan.has_draft_dist:
+        mass = torch.empty(n, nt, dtype=torch.float32, device=dev)
+        rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
+        kernels.residual_mass_kernel[(n, rs)](
+            x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
+            plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
+            res_row, res_rho, mass, nt, rcps, DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
+            num_warps=warps)
+        kernels.residual_draw_kernel[(n,)](
+            x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
+            plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
+            dpart_m, dpart_s, dpart_a, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k,
+            DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", rows)

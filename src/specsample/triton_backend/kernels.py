@@ -298,38 +298,16 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 
 
 @triton.jit
-def _residual(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
-              seed_lo, seed_hi, pos, NT, DRAFT_PROBS: tl.constexpr, SAMPLE: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """Over target row ``xr`` and draft row ``dr`` with w = max(rho p - q, 0): the residual mass
-    sum w (SAMPLE False), or an exact draw from w / sum w (SAMPLE True) by two-level Gumbel-max:
-    a tile with keys log(sum of w over the tile) + G (STREAM_RESIDUAL_TILE), then a token of it
-    with keys log w + G (STREAM_RESIDUAL). Returns (mass, token id; -1 when the mass is 0)."""
+def _residual_mass(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
+                   NT, DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
+    """Z = sum_x max(rho p(x) - q(x), 0) over target row ``xr`` and draft row ``dr``."""
     total = 0.0
-    best = tl.full((), -float("inf"), tl.float64)
-    bt = 0
     for tile in range(0, NT):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
                               dlogz, dt, rho, offs, DRAFT_PROBS)
-        mass = tl.sum(w, axis=0)
-        total += mass
-        if SAMPLE:
-            key = tl.log(tl.where(mass > 0, mass, 1.0)).to(tl.float64) + _gumbel(
-                seed_lo, seed_hi, pos, tile, STREAM_RESIDUAL_TILE)
-            key = tl.where(mass > 0, key, -float("inf"))
-            bt = tl.where(key > best, tile, bt)
-            best = tl.maximum(best, key)
-    tok = -1
-    if SAMPLE:
-        offs = bt * BLOCK + tl.arange(0, BLOCK)
-        w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                              dlogz, dt, rho, offs, DRAFT_PROBS)
-        key = tl.log(tl.where(w > 0, w, 1.0)).to(tl.float64) + _gumbel(
-            seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
-        key = tl.where(w > 0, key, -float("inf"))
-        tok = tl.where(best > -float("inf"), tl.argmax(key, axis=0) + bt * BLOCK, -1)
-    return total, tok
+        total += tl.sum(w, axis=0)
+    return total
 
 
 @triton.jit
@@ -346,7 +324,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr,
                   y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
-                  out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, K,
+                  out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
+                  res_rho_ptr, K,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
@@ -404,9 +383,9 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                 if BLOCK_METHOD:
                     if j > 0:
                         # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
-                        mass, _unused = _residual(
-                            x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                            dt, rho, seed_lo, seed_hi, pos0 + j, NT, DRAFT_PROBS, False, BLOCK)
+                        mass = _residual_mass(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride,
+                                              DV, dr, dm, dlogz, dt, rho, NT, DRAFT_PROBS,
+                                              BLOCK)
                         denom = mass + (1.0 - rho)
                         h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
                         u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
@@ -435,22 +414,16 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
             emit = tl.where((matching != 0) & ~ok, y, emit)
             n_acc += tl.where((matching != 0) & ok, 1, 0)
             matching = tl.where(ok, matching, 0)
-    if (use_dist != 0) & (matching == 0):
-        # Residual draw max(rho_tau p - q, 0) on the rejected row pair (rho_tau = 1: token level).
-        r = start + res_row
-        m = tl.load(stats_ptr + r.to(tl.int64) * 3)
-        logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1)
-        dr = dstart + res_row
-        dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr,
-                                           dr, DS, dt, DRAFT_PROBS, S_MAX)
-        _mass, tok = _residual(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                               dlogz, dt, rho_tau, seed_lo, seed_hi, pos0 + res_row, NT,
-                               DRAFT_PROBS, True, BLOCK)
-        if tok < 0:  # degenerate residual (p == q to rounding): the row's target sample
-            tok = tl.load(y_ptr + r)
-        emit = tok.to(tl.int32)
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
+    # A rejected draft distribution: residual_mass_kernel / residual_draw_kernel draw the
+    # correction from max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level) and
+    # overwrite the token written here.
+    rejected = (use_dist != 0) & (matching == 0) & ~invalid
+    if HAS_DRAFT:
+        tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
+        tl.store(res_rho_ptr + i, rho_tau)
+    emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
     for j in range(0, K + 1):
         dj = dstart + tl.minimum(j, tl.maximum(k - 1, 0))
@@ -461,3 +434,87 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     tl.store(out_nacc_ptr + i, n_acc.to(tl.int64))
     tl.store(out_err_ptr + i, err.to(tl.int64))
     tl.store(out_invalid_ptr + i, invalid)
+
+
+@triton.jit(**_NOSPEC)
+def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                         draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
+                         dpart_a_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT,
+                         CPS, DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Per (request, split) of a request whose draft was rejected: the mass of the residual
+    w = max(rho_tau p - q, 0) in each tile of the split (the rejected target / draft row pair
+    is read once, in parallel over splits). Writes mass [N, NT]."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(res_row_ptr + i)
+    if r >= 0:
+        t = tl.load(temp_ptr + i)
+        t = tl.where(t > 0, t, 1.0)
+        dt = tl.load(req_temp_ptr + i)
+        dt = tl.where(dt > 0, dt, 1.0)
+        m = tl.load(stats_ptr + r * 3)
+        logz = tl.load(stats_ptr + r * 3 + 1)
+        dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
+        dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr,
+                                           dr, DS, dt, DRAFT_PROBS, S_MAX)
+        rho = tl.load(res_rho_ptr + i)
+        for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                                  dlogz, dt, rho, offs, DRAFT_PROBS)
+            tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
+
+
+@triton.jit(**_NOSPEC)
+def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+                         pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr,
+                         dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
+                         res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K,
+                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Per request whose draft was rejected: the exact two-level Gumbel-max draw from the
+    residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; then a token of it,
+    STREAM_RESIDUAL), or the row's target sample when the residual mass is 0 (p == q to
+    rounding). Overwrites the correction token."""
+    i = tl.program_id(0)
+    r = tl.load(res_row_ptr + i)
+    if r >= 0:
+        start = tl.load(row_start_ptr + i)
+        j = r - start
+        seed_lo = tl.load(seed_lo_ptr + i)
+        seed_hi = tl.load(seed_hi_ptr + i)
+        pos = tl.load(pos_ptr + i) + j
+        best = tl.full((), -float("inf"), tl.float64)
+        bt = 0
+        for c in range(0, NT, NT_CHUNK):
+            offs = c + tl.arange(0, NT_CHUNK)
+            ok = offs < NT
+            mass = tl.load(mass_ptr + i.to(tl.int64) * NT + offs, mask=ok, other=0.0)
+            has = ok & (mass > 0)
+            key = tl.log(tl.where(has, mass, 1.0)).to(tl.float64) + _gumbel(
+                seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL_TILE)
+            key = tl.where(has, key, -float("inf"))
+            kmax = tl.max(key, axis=0)
+            kidx = tl.argmax(key, axis=0) + c
+            bt = tl.where(kmax > best, kidx, bt)
+            best = tl.maximum(best, kmax)
+        tok = tl.load(y_ptr + r)
+        if best > -float("inf"):
+            t = tl.load(temp_ptr + i)
+            t = tl.where(t > 0, t, 1.0)
+            dt = tl.load(req_temp_ptr + i)
+            dt = tl.where(dt > 0, dt, 1.0)
+            m = tl.load(stats_ptr + r * 3)
+            logz = tl.load(stats_ptr + r * 3 + 1)
+            dr = tl.load(draft_start_ptr + i) + j
+            dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr,
+                                               dpart_f_ptr, dr, DS, dt, DRAFT_PROBS, S_MAX)
+            rho = tl.load(res_rho_ptr + i)
+            offs = bt * BLOCK + tl.arange(0, BLOCK)
+            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                                  dlogz, dt, rho, offs, DRAFT_PROBS)
+            key = tl.log(tl.where(w > 0, w, 1.0)).to(tl.float64) + _gumbel(
+                seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
+            key = tl.where(w > 0, key, -float("inf"))
+            tok = (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
+        tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
