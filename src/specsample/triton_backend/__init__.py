@@ -66,8 +66,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
                   temp, *, is_probs: bool, write_tiles: bool):
     rows, vocab = x.shape
     dev = x.device
-    tpc = 2 if _interpreting(dev) else TILES_PER_CHUNK
-    s, cps, nt = _splits(rows, vocab, tpc, dev)
+    s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
     part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_a = torch.empty(rows, s, dtype=torch.int32, device=dev)
@@ -78,9 +77,13 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
             live_extra, temp,
             part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, cps, nt,
-            IS_PROBS=is_probs, WRITE_TILES=write_tiles, TPC=tpc, BLOCK=BLOCK,
+            IS_PROBS=is_probs, WRITE_TILES=write_tiles, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
     return (part_m, part_s, part_a, part_f, tiles), (s, cps, nt)
+
+
+def _tiles_per_chunk(device: torch.device) -> int:
+    return 2 if _interpreting(device) else TILES_PER_CHUNK
 
 
 def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -129,6 +132,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
         dpart_m, dpart_s, dpart_a, dpart_f = part_m, part_s, part_a, part_f
 
     rows = plan.num_rows
+    tpc = _tiles_per_chunk(dev)
     y = torch.empty(rows, dtype=torch.int32, device=dev)
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
@@ -136,7 +140,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
         x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
         plan.k_given, temp, req_temp,
         batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_a, part_f,
-        tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+        tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK,
+        num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)

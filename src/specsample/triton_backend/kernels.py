@@ -108,11 +108,14 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
                  S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
                  TPC: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (row, split): max, sum exp((x - max) / T) (or the plain sum for probabilities),
-    argmax (lowest id) and flags; with WRITE_TILES, each tile's max and sum
-    exp((x - tile max) / T). A split covers CPS chunks of TPC tiles of BLOCK tokens: one load
-    of TPC * BLOCK elements per iteration keeps enough bytes in flight. Rows past the request's
-    live range (``j >= k_eff + live_extra``) are not read."""
+    """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
+    probabilities) and flags; with WRITE_TILES, per tile a reference ``ref`` (the max of its
+    chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
+    (ref - max) / T + log(sum). A split covers CPS chunks: one load of TPC * BLOCK elements per
+    iteration, about five instructions per element (convert, max, FMA, exp2, add). Errors need
+    no per-element test for logits: a NaN or +inf makes the sum NaN, and a row with no finite
+    value has max -inf. Rows past the request's live range (``j >= k_eff + live_extra``) are
+    not read."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
@@ -120,10 +123,11 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
     t = tl.load(temp_ptr + req)
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    scale = inv_t * 1.4426950408889634  # exp(y / T) = exp2(y * scale)
     CHUNK: tl.constexpr = TPC * BLOCK
     offs0 = tl.arange(0, CHUNK)
     tiles0 = tl.arange(0, TPC)
-    flag_v = tl.zeros([CHUNK], tl.int32)  # per-lane flags, reduced once after the loop
+    flag_v = tl.zeros([CHUNK], tl.int32)  # probabilities only: per-lane flags
     sum_v = tl.zeros([CHUNK], tl.float32)
     m = -float("inf")
     acc = 0.0
@@ -134,37 +138,36 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
             offs = c * CHUNK + offs0
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
-            fin = (x > -float("inf")) & (x < float("inf"))
+            cmax = tl.max(x, axis=0)
             if IS_PROBS:
+                fin = (x > -float("inf")) & (x < float("inf"))
                 bad = mask & ((x != x) | ~fin | (x < 0))
-            else:
-                bad = (x != x) | (x == float("inf"))
-            flag_v |= bad.to(tl.int32) * FLAG_BAD | fin.to(tl.int32) * FLAG_FINITE
-            xs = tl.where(fin, x, -float("inf"))
-            cmax = tl.max(xs, axis=0)
-            carg = tl.argmax(xs, axis=0).to(tl.int32) + c * CHUNK
-            amax = tl.where(cmax > m, carg, amax)
-            if IS_PROBS:
+                flag_v |= bad.to(tl.int32) * FLAG_BAD | fin.to(tl.int32) * FLAG_FINITE
+                carg = tl.argmax(x, axis=0).to(tl.int32) + c * CHUNK
+                amax = tl.where(cmax > m, carg, amax)
                 sum_v += tl.where(fin, x, 0.0)
                 m = tl.maximum(m, cmax)
             else:
-                x2 = tl.reshape(xs, (TPC, BLOCK))
-                tmax = tl.max(x2, axis=1)
-                tmax_safe = tl.where(tmax == -float("inf"), 0.0, tmax)
-                tsum = tl.sum(tl.exp((x2 - tmax_safe[:, None]) * inv_t), axis=1)
+                ref = tl.where(cmax == -float("inf"), 0.0, cmax)
+                x2 = tl.reshape(x, (TPC, BLOCK))
+                tsum = tl.sum(tl.exp2((x2 - ref) * scale), axis=1)
                 m_new = tl.maximum(m, cmax)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                acc = acc * tl.exp((m - m_safe) * inv_t) + tl.sum(
-                    tsum * tl.exp((tmax - m_safe) * inv_t), axis=0)
+                acc = acc * tl.exp2((m - m_safe) * scale) + tl.sum(tsum, axis=0) * tl.exp2(
+                    (ref - m_safe) * scale)
                 m = m_new
                 if WRITE_TILES:
                     tile = c * TPC + tiles0
                     o_t = r.to(tl.int64) * NT + tile
-                    tl.store(tilemax_ptr + o_t, tmax, mask=tile < NT)
+                    tl.store(tilemax_ptr + o_t, tl.zeros([TPC], tl.float32) + cmax,
+                             mask=tile < NT)
                     tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
-    flags = tl.max(flag_v & FLAG_BAD, axis=0) | tl.max(flag_v & FLAG_FINITE, axis=0)
     if IS_PROBS:
+        flags = tl.max(flag_v & FLAG_BAD, axis=0) | tl.max(flag_v & FLAG_FINITE, axis=0)
         acc = tl.sum(sum_v, axis=0)
+    else:
+        bad = (acc != acc) | (m == float("inf"))
+        flags = tl.where(bad, FLAG_BAD, 0) | tl.where(m > -float("inf"), FLAG_FINITE, 0)
     o = r.to(tl.int64) * S + s
     tl.store(part_m_ptr + o, m)
     tl.store(part_s_ptr + o, acc)
@@ -239,12 +242,32 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     return (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
 
 
+@triton.jit
+def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC: tl.constexpr, BLOCK: tl.constexpr):
+    """Lowest token id of row ``r`` whose value is the row max ``m`` (greedy argmax): the max
+    lies in the first chunk whose reference (its max) equals ``m``; scan that chunk's tiles."""
+    first = 2147483647
+    for c in range(0, NT, NT_CHUNK):
+        offs = c + tl.arange(0, NT_CHUNK)
+        tm = tl.load(tilemax_ptr + r.to(tl.int64) * NT + offs, mask=offs < NT,
+                     other=-float("inf"))
+        first = tl.minimum(first, tl.min(tl.where(tm == m, offs, 2147483647), axis=0))
+    first = tl.minimum(first, NT - 1)
+    best = 2147483647
+    for tile in range(first, first + TPC):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
+                    other=-float("inf")).to(tl.float32)
+        best = tl.minimum(best, tl.min(tl.where(x == m, offs, 2147483647), axis=0))
+    return tl.where(best < V, best, 0)
+
+
 @triton.jit(**_NOSPEC)
 def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, req_temp_ptr,
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_a_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
-                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact two-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags)."""
@@ -256,11 +279,14 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     t = tl.where(t > 0, t, 1.0)
     m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
                                    False, S_MAX)
-    y = a
-    if live & (tl.load(req_temp_ptr + req) > 0) & (m > -float("inf")) & (m < float("inf")):
+    y = 0
+    ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
+    if ok & (tl.load(req_temp_ptr + req) > 0):
         y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
                           tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
                           tl.load(pos_ptr + req) + j, BLOCK)
+    elif ok:
+        y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
     o = r.to(tl.int64) * 3
     tl.store(out_stats_ptr + o, m)
