@@ -265,7 +265,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         else:
             dsafe = d.clamp_min(0)
             p_x = torch.exp(z[rows[:, :k], dsafe] - lse[rows[:, :k]])
-            q_all = draft_distribution(plan, didx.reshape(-1)).reshape(n, k, -1)
+            q_all = draft_distribution(plan, didx.reshape(-1)).reshape(n, k, plan.vocab_size)
             q_x = q_all.gather(2, dsafe[:, :, None]).squeeze(2)
             ju = torch.arange(k, device=z.device)
             u = rng.uniform(batch.seed_lo[:, None], batch.seed_hi[:, None],
