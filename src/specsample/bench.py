@@ -1,0 +1,724 @@
+"""Benchmark harness (issue 4): verify() and sample() against the memory floor.
+
+Run ``python -m specsample.bench --out DIR`` (or ``specsample bench``). For every case it
+measures our call (the fused path; on a GPU the general path and the PyTorch backend are
+forbidden, see :mod:`specsample.paths`) and our own unfused baseline (an FP32 copy of the target
+logits, then the general path), and writes a table to stdout, ``bench.json`` and ``bench.png``
+into the output directory.
+
+Protocol (seed measurement of issue 4):
+
+* verify(): V = 151,936, K = 4, B in 1, 8, 32, 128, bf16 target logits [B (K+1), V], one-hot
+  drafts and draft logits [B K, V], temperatures 0.7, 1.0 and "mix" (requests alternate 0.0 and
+  1.0; at B = 1 that is a single greedy request). sample(): V = 248,320, B in 1, 128.
+* Inputs are realistic (see :func:`zipf_logits`) and drafts give mixed acceptance (see
+  :func:`onehot_drafts`, :func:`perturbed_draft_logits`); seeds and positions are fixed and
+  calls use ``strict=False`` (no host synchronisation).
+* Time: the median of ``triton.testing.do_bench`` eagerly and of ``CUDAGraph.replay()``.
+  do_bench clears the L2 cache (writes a 256 MB buffer) before every timed call, so every
+  measurement is cold-L2 even at B = 1, where the inputs would fit in L2: the figures are
+  upper bounds for a kernel that runs right after the LM head wrote the logits.
+* Floor: the bytes of logits read once divided by the device-to-device copy bandwidth measured
+  in the same run (``dst.copy_(src)`` of 2 GiB, read + written bytes over the median time).
+  For draft logits the target adds the unavoidable second read of each rejected (target, draft)
+  row pair: 2 V bytes-per-element for every sampled request that rejected a draft, counted
+  from the run's own ``num_accepted``.
+* Peak temporary memory: ``max_memory_allocated`` during one eager call minus what was
+  allocated before it (inputs excluded, outputs included).
+
+On a CPU (no CUDA) the harness runs the PyTorch backend with ``time.perf_counter`` medians and
+no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` runs the CPU check of
+issue 2 instead: verify() at B = 8, K = 4, V = 151,936, float32, T = 0.7, one-hot drafts,
+against one ``torch.softmax`` over the same [40, 151936] tensor (target: at most 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import paths
+from .api import sample, select_backend, verify
+from .params import SamplingBatch, SamplingParams
+
+TEMPERATURE_LABELS = ("0.7", "1.0", "mix")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+COPY_BYTES = 2 * 2**30  # size of the bandwidth-measuring copy on a GPU
+COPY_BYTES_CPU = 256 * 2**20
+ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probability
+DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
+NOOP_BIAS = {0: 0.0}  # logit_bias that forces the general path and changes no logit
+
+# Targets of issue 4 (GPU, graph replay).
+VERIFY_FLOOR_RATIO = 1.25  # at B = 128
+VERIFY_B1_US = 8.0
+PEAK_TEMP_MIB = 0.5  # at B = 128
+SAMPLE_B1_US = 10.0
+SAMPLE_FLOOR_RATIO = 1.5  # at B = 128
+CPU_CHECK_RATIO = 2.0
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def zipf_logits(rows: int, vocab: int, *, dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> torch.Tensor:
+    """[rows, vocab] realistic raw logits: a peaked, Zipf-like profile in a random order.
+
+    Row r: the token of rank i (a random permutation of the vocabulary) gets
+    ``a_r - b_r * log(1 + i) + 0.25 * N(0, 1)`` with ``a_r ~ U(10, 25)`` and ``b_r ~ U(1.5, 3)``,
+    so at temperature 1 the top token has probability about 1 / zeta(b_r), 0.38 to 0.83, and
+    the tail falls off like ``(1 + i) ** -b_r`` (about ``b_r * 12`` nats below the top at the
+    end of a 151,936-wide row). Generated in float32 on ``device``, returned in ``dtype``.
+    """
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(rows, 1, device=device, generator=generator)
+
+    rank = torch.arange(vocab, device=device, dtype=torch.float32)
+    profile = uniform(10.0, 25.0) - uniform(1.5, 3.0) * torch.log1p(rank)
+    profile += 0.25 * torch.randn(rows, vocab, device=device, generator=generator)
+    order = torch.rand(rows, vocab, device=device, generator=generator).argsort(dim=1)
+    return torch.empty_like(profile).scatter_(1, order, profile).to(dtype)
+
+
+def onehot_drafts(draft_rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[R] int64 one-hot drafts for target rows ``draft_rows`` [R, V]: the row's top token with
+    probability ``ONEHOT_TOP_PROB``, else a uniformly random token (mixed acceptance)."""
+    r, v = draft_rows.shape
+    dev = draft_rows.device
+    top = draft_rows.argmax(dim=1)
+    other = torch.randint(0, v, (r,), device=dev, generator=generator)
+    pick_top = torch.rand(r, device=dev, generator=generator) < ONEHOT_TOP_PROB
+    return torch.where(pick_top, top, other)
+
+
+def perturbed_draft_logits(draft_rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[R, V] draft logits close to, not equal to, the target rows: ``z + DRAFT_NOISE * N(0, 1)``
+    in the target's dtype (a drafter that mostly agrees with the target on the top tokens)."""
+    noise = torch.randn(draft_rows.shape, device=draft_rows.device, generator=generator)
+    return (draft_rows.float() + DRAFT_NOISE * noise).to(draft_rows.dtype)
+
+
+def drafter_samples(draft_logits: torch.Tensor, temperatures: torch.Tensor,
+                    generator: torch.Generator) -> torch.Tensor:
+    """[R] int64 drafts drawn as the drafter would: from softmax(draft_logits / T) per row
+    (Gumbel-max), argmax where T = 0. ``temperatures``: [R] float32."""
+    z = draft_logits.float()
+    u = torch.rand(z.shape, device=z.device, generator=generator).clamp_(1e-20, 1.0)
+    gumbel = -torch.log(-torch.log(u))
+    t = temperatures[:, None]
+    keys = torch.where(t > 0, z / t.clamp_min(1e-6) + gumbel, z)
+    return keys.argmax(dim=1)
+
+
+def request_temperatures(label: str, n: int) -> list[float]:
+    """Per-request temperatures: every request at ``float(label)``, or "mix": 0.0, 1.0, 0.0, ..."""
+    if label == "mix":
+        return [float(i % 2) for i in range(n)]
+    return [float(label)] * n
+
+
+@dataclass
+class Inputs:
+    """Everything one timed call needs (all on the benchmark device)."""
+
+    logits: torch.Tensor  # [T, V] target logits (sample: [N, V])
+    batch: SamplingBatch  # the case's requests (fused path)
+    general_batch: SamplingBatch  # same requests plus a no-op logit_bias (general path)
+    positions: torch.Tensor  # [N] int64
+    num_draft: list[int]  # [N] k_i (a list: no host synchronisation)
+    drafts: torch.Tensor | None  # [S] int64
+    draft_logits: torch.Tensor | None  # [S, V]
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: ``op`` "verify" (with ``draft`` "onehot" / "draft_logits") or
+    "sample" (``draft`` None), a temperature label, batch size, drafts per request, vocab."""
+
+    op: str
+    draft: str | None
+    temperature: str
+    batch: int
+    k: int
+    vocab: int
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        kind = self.draft or "sample"
+        return f"{self.op}/{kind}/T={self.temperature}/B={self.batch}"
+
+
+def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
+    """Generate a case's inputs deterministically (``seed``) on ``device``.
+
+    Requests get seeds 1000 + i and positions 4096 + 64 i. The general-path batch adds
+    ``logit_bias={0: 0.0}`` to every request: adding 0.0 changes no logit, but any logit_bias
+    makes ``SamplingBatch.needs_general_path`` true, so the call takes the general path.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    n, k = case.batch, (case.k if case.op == "verify" else 0)
+    temps = request_temperatures(case.temperature, n)
+    params = [SamplingParams(temperature=t, seed=1000 + i) for i, t in enumerate(temps)]
+    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=NOOP_BIAS)
+               for i, t in enumerate(temps)]
+    logits = zipf_logits(n * (k + 1), case.vocab, dtype=DTYPES[case.dtype], device=device,
+                         generator=gen)
+    drafts = draft_logits = None
+    if k:
+        draft_rows = logits.view(n, k + 1, -1)[:, :k].reshape(n * k, -1)
+        if case.draft == "onehot":
+            drafts = onehot_drafts(draft_rows, gen)
+        else:
+            draft_logits = perturbed_draft_logits(draft_rows, gen)
+            row_t = torch.tensor(temps, device=device).repeat_interleave(k)
+            drafts = drafter_samples(draft_logits, row_t, gen)
+    return Inputs(
+        logits=logits,
+        batch=SamplingBatch.from_params(params, vocab_size=case.vocab, device=device),
+        general_batch=SamplingBatch.from_params(general, vocab_size=case.vocab, device=device),
+        positions=4096 + 64 * torch.arange(n, dtype=torch.int64, device=device),
+        num_draft=[k] * n, drafts=drafts, draft_logits=draft_logits,
+    )
+
+
+def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
+    """The timed callable. "fused": our call as a user makes it. "unfused": ``logits.float()``
+    (FP32 materialisation, timed) then the same call with the general-path batch."""
+    if variant == "fused":
+        def prepare():
+            return inp.logits, inp.batch
+    else:
+        def prepare():
+            return inp.logits.float(), inp.general_batch
+
+    if case.op == "sample":
+        def call():
+            logits, batch = prepare()
+            return sample(logits, batch, positions=inp.positions, strict=False)
+    else:
+        def call():
+            logits, batch = prepare()
+            return verify(logits, inp.drafts, inp.num_draft, batch,
+                          draft_logits=inp.draft_logits, positions=inp.positions, strict=False)
+    return call
+
+
+def forbidden_paths(backend: str, variant: str) -> tuple[str, ...]:
+    """Path patterns forbidden while measuring ``variant`` (only the Triton backend has a
+    fused / general split; the PyTorch backend always runs its one path)."""
+    if backend != "triton":
+        return ()
+    if variant == "fused":
+        return ("triton.*.general", "torch.*")
+    return ("triton.*.fused", "torch.*")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def time_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: int, rep_ms: int,
+            cpu_repeats: int) -> float:
+    """Median time of ``fn`` in microseconds: ``triton.testing.do_bench`` on CUDA, else the
+    median of ``cpu_repeats`` ``time.perf_counter`` runs after one warm-up call."""
+    if _cuda(device):
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                             return_mode="median")
+    fn()
+    times = []
+    for _ in range(cpu_repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """Warm ``fn`` up on a side stream (as the PyTorch docs prescribe), then capture one call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def peak_temp_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak memory one call of ``fn`` allocates beyond what was allocated before it (MiB);
+    None off CUDA."""
+    if not _cuda(device):
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def copy_bandwidth(device: torch.device, *, warmup_ms: int, rep_ms: int,
+                   cpu_repeats: int) -> float:
+    """Device-to-device copy bandwidth in bytes / s: ``dst.copy_(src)`` of 2 GiB (256 MiB on
+    CPU), read + written bytes over the median time."""
+    nbytes = COPY_BYTES if _cuda(device) else COPY_BYTES_CPU
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), device, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                 cpu_repeats=cpu_repeats)
+    return 2 * nbytes / (us * 1e-6)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Settings:
+    """How to measure: device, do_bench warm-up / repetition (ms), CPU repeats, graphs."""
+
+    device: torch.device
+    backend: str
+    warmup_ms: int
+    rep_ms: int
+    cpu_repeats: int
+    graphs: bool
+    unfused: bool
+
+
+def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dict:
+    """Time one variant eagerly and under graph replay, measure its peak temporary memory, and
+    record the paths it ran. Errors (a forbidden path, a failed capture) are recorded, not
+    raised. The first eager call's output is kept under "output" for acceptance statistics."""
+    fn = make_call(case, inp, variant)
+    res: dict = {"eager_us": None, "graph_us": None, "peak_temp_mib": None, "paths": {},
+                 "error": None, "graph_error": None}
+    paths.reset()
+    with paths.forbid(*forbidden_paths(cfg.backend, variant)):
+        try:
+            res["output"] = fn()
+            res["peak_temp_mib"] = peak_temp_mib(fn, cfg.device)
+            res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms,
+                                      rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
+        except Exception as exc:  # recorded in the report; the other cases still run
+            res["error"] = f"{type(exc).__name__}: {exc}"
+        if res["error"] is None and cfg.graphs:
+            try:
+                graph = capture_graph(fn)
+                res["graph_us"] = time_us(graph.replay, cfg.device, warmup_ms=cfg.warmup_ms,
+                                          rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
+                del graph
+            except Exception as exc:
+                res["graph_error"] = f"{type(exc).__name__}: {exc}"
+    res["paths"] = paths.counts()
+    return res
+
+
+def best_us(variant: dict) -> float | None:
+    """The figure targets are judged on: graph replay when measured, else eager."""
+    return variant["graph_us"] if variant["graph_us"] is not None else variant["eager_us"]
+
+
+def acceptance(case: Case, inp: Inputs, output) -> dict:
+    """Mean accepted drafts and the number of sampled requests that rejected a draft (each
+    needs a second read of its rejected (target, draft) row pair when drafts carry logits)."""
+    if case.op != "verify" or output is None:
+        return {"mean_accepted": None, "rejected_sampled": 0}
+    acc = output.num_accepted
+    sampled = inp.batch.temperature > 0
+    rejected = int(((acc < case.k) & sampled).sum())
+    return {"mean_accepted": float(acc.float().mean()), "rejected_sampled": rejected}
+
+
+def floor_bytes(case: Case, inp: Inputs, rejected_sampled: int) -> tuple[int, int]:
+    """(bytes of logits read once, extra bytes of the unavoidable second reads).
+
+    Read once: target logits, plus draft logits when given. Second reads: draft logits only,
+    one target row and one draft row per sampled request that rejected a draft.
+    """
+    elt = inp.logits.element_size()
+    once = inp.logits.numel() * elt
+    extra = 0
+    if inp.draft_logits is not None:
+        once += inp.draft_logits.numel() * inp.draft_logits.element_size()
+        extra = rejected_sampled * case.vocab * 2 * elt
+    return once, extra
+
+
+def check_targets(case: Case, fused: dict, floor_target_us: float, cuda: bool,
+                  protocol_vocab: bool) -> list[dict]:
+    """The issue-4 targets that apply to ``case`` (GPU runs at the protocol vocabulary only)."""
+    if not cuda or not protocol_vocab:
+        return []
+    t = best_us(fused)
+    out = []
+
+    def add(name: str, value: float | None, limit: float) -> None:
+        out.append({"name": name, "value": value, "limit": limit,
+                    "met": value is not None and value <= limit})
+
+    if case.op == "verify" and case.batch == 128:
+        ratio = None if t is None else t / floor_target_us
+        add("time / floor (+ second reads)", ratio, VERIFY_FLOOR_RATIO)
+        add("peak temporary MiB", fused["peak_temp_mib"], PEAK_TEMP_MIB)
+    if case.op == "verify" and case.batch == 1:
+        add("graph replay us", fused["graph_us"], VERIFY_B1_US)
+    if case.op == "sample" and case.batch == 1:
+        add("graph replay us", fused["graph_us"], SAMPLE_B1_US)
+    if case.op == "sample" and case.batch == 128:
+        ratio = None if fused["graph_us"] is None else fused["graph_us"] / floor_target_us
+        add("graph time / floor", ratio, SAMPLE_FLOOR_RATIO)
+    return out
+
+
+def run_case(case: Case, cfg: Settings, bandwidth: float, protocol_vocab: bool) -> dict:
+    """Measure one case (fused, and unfused unless disabled) and derive floors and ratios."""
+    inp = build_inputs(case, cfg.device)
+    variants = {"fused": measure_variant(case, inp, "fused", cfg)}
+    if cfg.unfused:
+        variants["unfused"] = measure_variant(case, inp, "unfused", cfg)
+    outputs = [v.pop("output", None) for v in variants.values()]
+    stats = acceptance(case, inp, next((o for o in outputs if o is not None), None))
+    once, extra = floor_bytes(case, inp, stats["rejected_sampled"])
+    floor_us = 1e6 * once / bandwidth
+    floor_target_us = 1e6 * (once + extra) / bandwidth
+    fused_t = best_us(variants["fused"])
+    unfused_t = best_us(variants["unfused"]) if cfg.unfused else None
+    result = {
+        **asdict(case), "case": case.name, "rows": inp.logits.shape[0],
+        "bytes_read_once": once, "second_read_bytes": extra,
+        "floor_us": floor_us, "floor_target_us": floor_target_us, **stats,
+        "ratio_to_floor": None if fused_t is None else fused_t / floor_target_us,
+        "speedup_vs_unfused": None if fused_t is None or unfused_t is None
+        else unfused_t / fused_t,
+        **variants,
+    }
+    result["targets"] = check_targets(case, variants["fused"], floor_target_us,
+                                      _cuda(cfg.device), protocol_vocab)
+    del inp
+    if _cuda(cfg.device):
+        torch.cuda.empty_cache()
+    return result
+
+
+def protocol_cases(args: argparse.Namespace) -> list[Case]:
+    """verify() over (draft kind x temperature x batch size), then sample() cases."""
+    cases = [Case("verify", draft, t, b, args.k, args.vocab, args.dtype)
+             for draft in ("onehot", "draft_logits") for t in args.temperatures
+             for b in args.batch_sizes]
+    cases += [Case("sample", None, t, b, 0, args.sample_vocab, args.dtype)
+              for t in args.temperatures for b in args.sample_batch_sizes]
+    return cases
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(results: list[dict]) -> str:
+    """A plain-text table: one line per case, times in us, ratios, memory and targets."""
+    head = ("case", "floor", "eager", "graph", "x floor", "unf eager", "unf graph", "speedup",
+            "MiB", "acc", "targets")
+    rows = [head]
+    for r in results:
+        f, u = r["fused"], r.get("unfused", {})
+        if f["error"]:
+            verdict = "ERROR"
+        elif r["targets"]:
+            verdict = " ".join("met" if t["met"] else "MISSED" for t in r["targets"])
+        else:
+            verdict = ""
+        rows.append((r["case"], _fmt(r["floor_target_us"]), _fmt(f["eager_us"]),
+                     _fmt(f["graph_us"]), _fmt(r["ratio_to_floor"], ".2f"),
+                     _fmt(u.get("eager_us")), _fmt(u.get("graph_us")),
+                     _fmt(r["speedup_vs_unfused"], ".2f"), _fmt(f["peak_temp_mib"], ".3f"),
+                     _fmt(r["mean_accepted"], ".2f"), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def format_problems(results: list[dict]) -> str:
+    """Errors, failed graph captures and missed targets, one line each ('' when none)."""
+    lines = []
+    for r in results:
+        for variant in ("fused", "unfused"):
+            v = r.get(variant)
+            if v is None:
+                continue
+            for key in ("error", "graph_error"):
+                if v[key]:
+                    lines.append(f"{r['case']} [{variant}] {key}: {v[key]}")
+        for t in r["targets"]:
+            if not t["met"]:
+                lines.append(f"{r['case']} target missed: {t['name']} = {_fmt(t['value'], '.3f')}"
+                             f" > {t['limit']}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    """PNG of time against batch size per variant with the floor (and the target band); one
+    panel per (op / draft kind, temperature). Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullLocator
+    except ImportError:
+        return False
+    kinds = list(dict.fromkeys((r["op"], r["draft"]) for r in results))
+    temps = list(dict.fromkeys(r["temperature"] for r in results))
+    fig, axes = plt.subplots(len(kinds), len(temps), figsize=(4.5 * len(temps),
+                             3.6 * len(kinds)), squeeze=False)
+    lines = (("fused", "eager_us", "o-", "fused eager"), ("fused", "graph_us", "s-",
+             "fused graph"), ("unfused", "eager_us", "o--", "unfused eager"),
+             ("unfused", "graph_us", "s--", "unfused graph"))
+    for (op, draft), row in zip(kinds, axes, strict=True):
+        for temp, ax in zip(temps, row, strict=True):
+            sel = sorted((r for r in results if (r["op"], r["draft"], r["temperature"]) ==
+                          (op, draft, temp)), key=lambda r: r["batch"])
+            bs = [r["batch"] for r in sel]
+            for variant, key, style, label in lines:
+                ys = [r.get(variant, {}).get(key) for r in sel]
+                if any(y is not None for y in ys):
+                    ax.plot(bs, [math.nan if y is None else y for y in ys], style, label=label)
+            ax.plot(bs, [r["floor_target_us"] for r in sel], "k:", label="floor")
+            ratio = SAMPLE_FLOOR_RATIO if op == "sample" else VERIFY_FLOOR_RATIO
+            ax.plot(bs, [ratio * r["floor_target_us"] for r in sel], color="0.6", lw=0.8,
+                    label=f"{ratio}x floor")
+            ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time (us)",
+                   title=f"{op} {draft or ''} T={temp}".replace("  ", " "))
+            ax.set_xticks(bs, [str(b) for b in bs])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def environment(device: torch.device, backend: str) -> dict:
+    """Versions and device of this run."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": torch.cuda.get_device_name(device) if _cuda(device) else platform.processor()
+        or platform.machine(),
+        "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+        "backend": backend, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# --------------------------------------------------------------------------- CPU check
+
+
+def cpu_check(repeats: int, *, batch: int = 8, k: int = 4, vocab: int = 151936,
+              temperature: float = 0.7) -> dict:
+    """Issue 2's CPU check: verify() (float32, one-hot drafts) against one torch.softmax over
+    the same [B (K+1), V] tensor; medians of ``repeats`` runs after one warm-up each."""
+    case = Case("verify", "onehot", str(temperature), batch, k, vocab, "float32")
+    inp = build_inputs(case, torch.device("cpu"))
+    kw = {"warmup_ms": 0, "rep_ms": 0, "cpu_repeats": repeats}
+    cpu = torch.device("cpu")
+    verify_us = time_us(make_call(case, inp, "fused"), cpu, **kw)
+    softmax_us = time_us(lambda: torch.softmax(inp.logits, dim=-1), cpu, **kw)
+    ratio = verify_us / softmax_us
+    return {"shape": list(inp.logits.shape), "repeats": repeats, "threads":
+            torch.get_num_threads(), "verify_ms": verify_us / 1e3,
+            "softmax_ms": softmax_us / 1e3, "ratio": ratio, "limit": CPU_CHECK_RATIO,
+            "met": ratio <= CPU_CHECK_RATIO}
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _temp_list(text: str) -> list[str]:
+    labels = [x.strip() for x in text.split(",") if x.strip()]
+    for label in labels:
+        if label != "mix":
+            float(label)
+    return labels
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``specsample bench`` / ``python -m specsample.bench``."""
+    p.add_argument("--out", default="bench_out", metavar="DIR",
+                   help="directory for bench.json and bench.png (default: bench_out)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B,B,...",
+                   help="verify() batch sizes (default 1,8,32,128)")
+    p.add_argument("--vocab", type=int, default=None, help="verify() vocabulary (151936)")
+    p.add_argument("--k", type=int, default=4, help="drafts per request (4)")
+    p.add_argument("--sample-batch-sizes", type=_int_list, default=None, metavar="B,B,...",
+                   help="sample() batch sizes (default 1,128)")
+    p.add_argument("--sample-vocab", type=int, default=None,
+                   help="sample() vocabulary (248320)")
+    p.add_argument("--temperatures", type=_temp_list, default=list(TEMPERATURE_LABELS),
+                   metavar="T,T,...", help="temperatures; 'mix' = alternating 0 and 1 "
+                   "(default 0.7,1.0,mix)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="dtype of the target and draft logits (bfloat16)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-test sizes: B 1,4, V 2048 (sample: V 4096, B 1,4)")
+    p.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (ms)")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per measurement on CPU (median)")
+    p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay")
+    p.add_argument("--no-unfused", action="store_true", help="skip the unfused baseline")
+    p.add_argument("--cpu-check", action="store_true",
+                   help="run issue 2's CPU check (verify vs torch.softmax) and nothing else")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print the table and draw bench.png of a saved "
+                        "bench.json into --out")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (torch.set_num_threads; default: torch's)")
+
+
+def _resolve_sizes(args: argparse.Namespace) -> None:
+    """Fill size arguments left unset from the protocol (or the --quick sizes)."""
+    quick = {"batch_sizes": [1, 4], "vocab": 2048, "sample_batch_sizes": [1, 4],
+             "sample_vocab": 4096}
+    full = {"batch_sizes": [1, 8, 32, 128], "vocab": 151936, "sample_batch_sizes": [1, 128],
+            "sample_vocab": 248320}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``name`` as a device (default: cuda when available); a bare "cuda" gets the current
+    device's index, which becomes the current device for the run."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if _cuda(device):
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def report_from_json(path: Path, out: Path) -> int:
+    """``--from-json``: print the table and draw the plot of a saved bench.json into ``out``
+    (for a device run where matplotlib was missing)."""
+    results = json.loads(path.read_text())["cases"]
+    print(format_table(results))
+    problems = format_problems(results)
+    if problems:
+        print("\nProblems:\n" + problems)
+    if not plot(results, out / "bench.png"):
+        print("matplotlib is not installed: no plot")
+        return 1
+    print(f"\nwrote {out / 'bench.png'}")
+    return 0
+
+
+def run_cpu_check(args: argparse.Namespace, out: Path) -> int:
+    """``--cpu-check``: print and save (cpu_check.json) the verify / softmax ratio."""
+    res = cpu_check(max(args.repeats, 5))
+    print(f"CPU check, shape {res['shape']}, {res['threads']} threads, median of "
+          f"{res['repeats']}: verify {res['verify_ms']:.2f} ms, softmax {res['softmax_ms']:.2f}"
+          f" ms, ratio {res['ratio']:.2f} (target <= {res['limit']}: "
+          f"{'met' if res['met'] else 'MISSED'})")
+    (out / "cpu_check.json").write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; write the report into ``args.out``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_check:
+        return run_cpu_check(args, out)
+    if args.from_json:
+        return report_from_json(Path(args.from_json), out)
+    _resolve_sizes(args)
+    device = resolve_device(args.device)
+    cfg = Settings(device=device, backend=select_backend(device), warmup_ms=args.warmup_ms,
+                   rep_ms=args.rep_ms, cpu_repeats=args.repeats,
+                   graphs=_cuda(device) and not args.no_graphs, unfused=not args.no_unfused)
+    bandwidth = copy_bandwidth(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                               cpu_repeats=args.repeats)
+    print(f"device {device} ({cfg.backend} backend), copy bandwidth {bandwidth / 1e12:.3f} TB/s",
+          flush=True)
+    report = {"environment": environment(device, cfg.backend), "args": {
+        k: v for k, v in vars(args).items() if not callable(v)},
+        "copy_bandwidth_bytes_per_s": bandwidth, "cases": []}
+    results = report["cases"]
+    for case in protocol_cases(args):
+        protocol_vocab = case.vocab == (151936 if case.op == "verify" else 248320)
+        results.append(run_case(case, cfg, bandwidth, protocol_vocab))
+        # Rewritten after every case, so an interrupted run still leaves its results.
+        (out / "bench.json").write_text(json.dumps(report, indent=2))
+        r = results[-1]
+        print(f"  {case.name}: {_fmt(best_us(r['fused']))} us "
+              f"({_fmt(r['ratio_to_floor'], '.2f')}x floor)", flush=True)
+    print(format_table(results))
+    problems = format_problems(results)
+    if problems:
+        print("\nProblems:\n" + problems)
+    png = plot(results, out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if png else
+                                               " (no matplotlib: no plot)"))
+    return 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on an argparse ``subparsers`` object (``func`` = :func:`run_bench`)."""
+    p = subparsers.add_parser("bench", help="benchmark verify() and sample() against the floor")
+    add_bench_arguments(p)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specsample.bench [options]``."""
+    parser = argparse.ArgumentParser(prog="python -m specsample.bench",
+                                     description=__doc__.split("\n\n")[0])
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

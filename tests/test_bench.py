@@ -1,0 +1,101 @@
+"""CPU smoke tests of the benchmark harness (specsample.bench) at tiny sizes, torch backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from specsample import bench, verify
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+
+
+def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
+            "1,2", "--vocab", "512", "--k", "3", "--sample-batch-sizes", "1,2",
+            "--sample-vocab", "1024", "--temperatures", "0.7,mix"]
+    assert bench.main(argv) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    cases = report["cases"]
+    assert len(cases) == 2 * 2 * 2 + 2 * 2  # verify (kind x T x B) + sample (T x B)
+    assert report["copy_bandwidth_bytes_per_s"] > 0
+    for case in cases:
+        for variant in ("fused", "unfused"):
+            assert case[variant]["error"] is None, case[variant]["error"]
+            assert case[variant]["eager_us"] > 0
+            assert case[variant]["graph_us"] is None  # no graph replay on CPU
+        assert case["floor_us"] > 0 and case["ratio_to_floor"] > 0
+        assert case["targets"] == []  # GPU targets are not judged on CPU
+        expected = "torch.sample" if case["op"] == "sample" else f"torch.verify.{case['draft']}"
+        assert case["fused"]["paths"][expected]["calls"] >= 2
+        assert case["unfused"]["paths"][expected]["calls"] >= 2
+    dl = [c for c in cases if c["draft"] == "draft_logits"]
+    assert all(c["floor_target_us"] >= c["floor_us"] for c in dl)
+    assert "verify/onehot/T=0.7/B=2" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_zipf_logits_are_peaked_with_a_long_tail():
+    gen = torch.Generator().manual_seed(0)
+    x = bench.zipf_logits(16, 151936, dtype=torch.bfloat16, device=CPU, generator=gen)
+    assert x.dtype == torch.bfloat16 and x.shape == (16, 151936)
+    p = torch.softmax(x.float(), dim=-1)
+    top = p.max(dim=-1).values
+    assert bool((top > 0.25).all()) and bool((top < 0.95).all())
+    assert len(set(x.float().argmax(-1).tolist())) > 8  # the top token moves between rows
+
+
+def test_onehot_drafts_pick_the_top_token_about_70_percent():
+    gen = torch.Generator().manual_seed(1)
+    rows = bench.zipf_logits(2000, 256, dtype=torch.float32, device=CPU, generator=gen)
+    drafts = bench.onehot_drafts(rows, gen)
+    frac = (drafts == rows.argmax(-1)).float().mean().item()
+    assert 0.65 < frac < 0.78
+
+
+def test_noop_bias_takes_the_general_path_and_changes_nothing():
+    case = bench.Case("verify", "draft_logits", "mix", 4, 3, 300, "float32")
+    inp = bench.build_inputs(case, CPU)
+    assert not inp.batch.needs_general_path and inp.general_batch.needs_general_path
+    kw = {"draft_logits": inp.draft_logits, "positions": inp.positions}
+    a = verify(inp.logits, inp.drafts, inp.num_draft, inp.batch, **kw)
+    b = verify(inp.logits.float(), inp.drafts, inp.num_draft, inp.general_batch, **kw)
+    assert torch.equal(a.token_ids, b.token_ids)
+
+
+def test_floor_counts_second_reads_of_rejected_rows_only_with_draft_logits():
+    for draft in ("onehot", "draft_logits"):
+        case = bench.Case("verify", draft, "1.0", 2, 4, 128, "bfloat16")
+        inp = bench.build_inputs(case, CPU)
+        once, extra = bench.floor_bytes(case, inp, rejected_sampled=1)
+        rows = 2 * 5 + (2 * 4 if draft == "draft_logits" else 0)
+        assert once == rows * 128 * 2
+        assert extra == (2 * 128 * 2 if draft == "draft_logits" else 0)
+
+
+def test_forbidden_paths_split_fused_and_general_on_triton_only():
+    assert bench.forbidden_paths("torch", "fused") == ()
+    assert "triton.*.general" in bench.forbidden_paths("triton", "fused")
+    assert "triton.*.fused" in bench.forbidden_paths("triton", "unfused")
+
+
+def test_bench_registers_on_a_subparser():
+    parser = argparse.ArgumentParser(prog="specsample")
+    bench.add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--quick", "--batch-sizes", "1,8"])
+    assert args.func is bench.run_bench and args.batch_sizes == [1, 8] and args.quick
+
+
+def test_cpu_check_reports_the_ratio():
+    res = bench.cpu_check(1, batch=2, k=2, vocab=1024)
+    assert res["shape"] == [6, 1024]
+    assert res["verify_ms"] > 0 and res["softmax_ms"] > 0 and res["ratio"] > 0
