@@ -88,7 +88,9 @@ N_POWER = 4000  # per broken run
 def _draft(cfg: Config, seeds_lo, seeds_hi, pos, j: int, prev: torch.Tensor):
     """Draft token j of every request (and its drafter row): Gumbel-max on STREAM_DRAFT.
 
-    Key: (seed, absolute position of the drafted token, counter = token + (j + 1) * 2**16).
+    Key: (seed, absolute position of the drafted token, counter = token, stream
+    rng.draft_streams(j)[0]): the draft index in the stream word keeps block verification
+    unbiased across steps (see rng.py).
     """
     n = prev.shape[0]
     if cfg.kind == "ngram":
@@ -104,9 +106,9 @@ def _draft(cfg: Config, seeds_lo, seeds_hi, pos, j: int, prev: torch.Tensor):
         row = torch.softmax(QTABLE_T[prev] * 0.8, -1)
         logq = torch.log(row)
     vd = logq.shape[1]
-    counter = torch.arange(vd)[None, :] + (j + 1) * 2**16
+    counter = torch.arange(vd)[None, :]
     g = rng.gumbel(seeds_lo[:, None], seeds_hi[:, None], (pos + j)[:, None], counter,
-                   rng.STREAM_DRAFT)
+                   rng.draft_streams(j)[0])
     return (logq + g).argmax(-1), row
 
 
@@ -221,7 +223,9 @@ def test_emitted_law_is_exact(cfg):
 @pytest.mark.parametrize("broken", ["temperature", "greedy", "residual", "batch_index"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_power_against_broken_samplers(cfg, broken):
-    samples = generate(cfg, broken=broken, n=N_POWER)
+    # Reused noise ("batch_index") biases the joint law more weakly than the other bugs: it
+    # gets more samples so that the check keeps its power whatever the drawn numbers.
+    samples = generate(cfg, broken=broken, n=N_POWER * (3 if broken == "batch_index" else 1))
     p = g_test(samples, exact_law(cfg))
     PVALUES[f"{cfg.name}/{broken}"] = p
     assert p < 1e-6, f"{cfg.name} with broken={broken}: G-test p = {p:.3g} did not reject"

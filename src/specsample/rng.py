@@ -32,9 +32,12 @@ Streams and why they are separate (DESIGN.md):
   reused by the next step; the key uses ``c0 = j + 1`` (j = draft index in the window) with
   ``position = window start + j``. The pair determines the window start, so no uniform is
   ever observed twice across speculative steps.
-* ``STREAM_DRAFT`` (4): a drafter's own sampling (the engine's model drafter). Reusing the
-  target's residual stream for the drafter would correlate q's draw with the residual draw and
-  bias the output.
+* ``STREAM_DRAFT`` (4) / ``STREAM_DRAFT_TILE`` (7): a drafter's own sampling (the engine's
+  model drafter), through :func:`draft_streams`. Reusing the target's residual stream for the
+  drafter would correlate q's draw with the residual draw and bias the output. The stream word
+  also carries the draft's index j in its window (``stream | (j + 1) << 8``): block
+  verification's decision depends on drafts past the accepted prefix, so a drafter keyed by
+  position alone would reuse, in the next step, noise an earlier decision already observed.
 
 Key reuse across steps for the other streams is unbiased: a decision at a position is only
 made once a token is emitted there, and later steps start after the last emitted position; noise
@@ -43,8 +46,9 @@ drawn at positions past the first rejection was never used by any decision.
 Uniforms have 52 bits, from output words 0 and 1:
 ``u = ((w0 >> 6) * 2**26 + (w1 >> 6) + 0.5) * 2**-52`` in float64 (exact), strictly inside
 (0, 1), and Gumbel noise is ``-log(-log(u))`` in float64. The largest u is 1 - 2**-53, so the
-noise is the continuous Gumbel law truncated above ``GUMBEL_MAX`` (about 36.7): the chance that any of a
-row's draws would have been cut there is below 1e-12, far under anything measurable.
+noise is the continuous Gumbel law truncated above ``GUMBEL_MAX`` (about 36.7): the chance
+that any of a row's draws would have been cut there is below 1e-12, far under anything
+measurable.
 
 Sampling a row uses two levels of Gumbel-max (see ``docs/semantics.md``): the vocabulary is
 cut into tiles of ``TILE`` tokens; a tile is drawn with keys ``logsumexp(tile) + G`` on the
@@ -66,6 +70,7 @@ STREAM_BLOCK_ACCEPT = 3
 STREAM_DRAFT = 4
 STREAM_SAMPLE_TILE = 5
 STREAM_RESIDUAL_TILE = 6
+STREAM_DRAFT_TILE = 7
 
 #: Tokens per sampling tile (part of the random-number definition: never tied to a kernel's
 #: block size, so every backend draws the same tokens).
@@ -83,6 +88,17 @@ UNIFORM_SCALE = 2.0**-52
 GUMBEL_MAX = 36.75
 #: Smallest Gumbel value: -log(-log(2**-53)), rounded down.
 GUMBEL_MIN = -3.61
+
+
+def draft_streams(j: int) -> tuple[int, int]:
+    """(token stream, tile stream) for a drafter's draw of draft ``j`` (0-based) of a window.
+
+    Use them with position = the drafted token's absolute position: (position, j) determine
+    the window's start, so no drafter noise is ever reused by a later speculative step.
+    """
+    if j < 0 or j >= 2**20:
+        raise ValueError(f"draft index must be in [0, 2**20), got {j}")
+    return STREAM_DRAFT | (j + 1) << 8, STREAM_DRAFT_TILE | (j + 1) << 8
 
 
 def split_seed(seed: int) -> tuple[int, int]:

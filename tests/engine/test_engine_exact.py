@@ -83,7 +83,7 @@ def test_power_greedy_drafter_with_soft_q_fails(models, monkeypatch):
     """The same test rejects a biased engine, so it can fail."""
     target, draft = models
 
-    def greedy_sample(self, logits, ctx, position):
+    def greedy_sample(self, logits, ctx, position, j):
         return int(torch.argmax(logits))
 
     monkeypatch.setattr(ModelDrafter, "sample", greedy_sample)

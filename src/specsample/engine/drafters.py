@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import rng
+from ..torch_backend import tiled_gumbel_argmax
 from .cache import ModelCache
 
 DRAFTERS = ("ngram", "model", "none")
@@ -179,26 +180,25 @@ class ModelDrafter(Drafter):
             if j > 0:
                 logits = cache.forward([drafts[-1]], logits_to_keep=1)[-1]
             rows.append(logits)
-            drafts.append(self.sample(logits, ctx, position + j))
+            drafts.append(self.sample(logits, ctx, position + j, j))
         return Draft(drafts, torch.stack(rows))
 
-    def sample(self, logits: torch.Tensor, ctx: DraftContext, position: int) -> int:
-        """Draw one draft from ``softmax(logits / temperature)`` (argmax when greedy), with
-        Gumbel-max over ``rng.gumbel(seed, position, token, STREAM_DRAFT)``."""
+    def sample(self, logits: torch.Tensor, ctx: DraftContext, position: int, j: int) -> int:
+        """Draw draft ``j`` of the window from ``softmax(logits / temperature)`` (argmax when
+        greedy): the exact two-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax``
+        on the drafter's own streams ``rng.draft_streams(j)`` at the drafted position."""
         if ctx.temperature == 0.0:
             return int(torch.argmax(logits))
-        vocab = logits.shape[-1]
         dev = logits.device
-        noise = rng.gumbel(
-            torch.tensor(ctx.seed_lo, dtype=torch.int64, device=dev),
-            torch.tensor(ctx.seed_hi, dtype=torch.int64, device=dev),
-            torch.tensor(position, dtype=torch.int64, device=dev),
-            torch.arange(vocab, dtype=torch.int64, device=dev),
-            rng.STREAM_DRAFT,
-        )
-        z = logits.float()
-        keys = (z - z.max()) / ctx.temperature + noise
-        return int(torch.argmax(keys))
+        z = logits.float()[None]
+        z = (z - z.max()) / ctx.temperature
+
+        def key(value: int) -> torch.Tensor:
+            return torch.tensor([value], dtype=torch.int64, device=dev)
+
+        token_stream, tile_stream = rng.draft_streams(j)
+        return int(tiled_gumbel_argmax(z, None, key(ctx.seed_lo), key(ctx.seed_hi),
+                                       key(position), token_stream, tile_stream)[0])
 
 
 def make_drafter(name: str, *, draft_model: Any = None, ngram_max: int = 3,
