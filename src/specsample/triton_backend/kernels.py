@@ -65,9 +65,8 @@ def _philox_words01(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _uniform(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
-    """Float64 52-bit uniform in (0, 1) for key (seed, position, counter, stream), as
-    ``rng.uniform``.
+def _words(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
+    """The two 26-bit halves (w0 >> 6, w1 >> 6) of the 52-bit uniform of ``rng.uniform``.
 
     ``seed_lo`` / ``seed_hi`` / ``pos``: int64 scalars; ``counter``: int32/int64 tensor.
     """
@@ -80,14 +79,39 @@ def _uniform(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
     k0 = zero + seed_lo.to(tl.uint32)
     k1 = zero + seed_hi.to(tl.uint32)
     w0, w1 = _philox_words01(c0, c1, c2, c3, k0, k1)
-    hi = (w0 >> 6).to(tl.float64)
-    lo = (w1 >> 6).to(tl.float64)
-    return (hi * 67108864.0 + lo + 0.5) * UNIFORM_SCALE
+    return w0 >> 6, w1 >> 6
+
+
+@triton.jit
+def _uniform(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
+    """Float64 52-bit uniform in (0, 1), exactly ``rng.uniform``."""
+    hi, lo = _words(seed_lo, seed_hi, pos, counter, stream)
+    return (hi.to(tl.float64) * 67108864.0 + lo.to(tl.float64) + 0.5) * UNIFORM_SCALE
 
 
 @triton.jit
 def _gumbel(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
-    return -tl.log(-tl.log(_uniform(seed_lo, seed_hi, pos, counter, stream)))
+    """Float32 Gumbel noise -log(-log(u)) of the 52-bit uniform u of ``rng.uniform``, to within
+    a few float32 ulps (``rng.gumbel`` computes it in float64).
+
+    E = -log(u) is formed without cancellation: from u itself when u < 1/2, else from
+    v = 1 - u (computed exactly in integers, so E down to 2**-53 keeps its relative precision)
+    as -log1p(-v) by Goldberg's log1p(x) = log(1 + x) * x / ((1 + x) - 1). So the noise keeps
+    the full 52-bit tail (up to GUMBEL_MAX ~ 36.7) at float32 cost, no float64 transcendental.
+    """
+    hi, lo = _words(seed_lo, seed_hi, pos, counter, stream)
+    upper = hi >= 33554432  # u >= 1/2: bit 25 of the high half
+    # v = 1 - u = (2**52 - 1 - k + 0.5) * 2**-52 with k = hi * 2**26 + lo
+    hi_c = tl.where(upper, 67108863 - hi, hi)
+    lo_c = tl.where(upper, 67108863 - lo, lo)
+    x = hi_c.to(tl.float32) * 1.4901161193847656e-08 + (lo_c.to(tl.float32) + 0.5) * (
+        2.220446049250313e-16)  # u (lower half) or v = 1 - u (upper half)
+    one_minus = 1.0 - x
+    log1p_neg = tl.where(one_minus == 1.0, -x,
+                         tl.log(one_minus) * (-x) / tl.where(one_minus == 1.0, -1.0,
+                                                             one_minus - 1.0))
+    e = tl.where(upper, -log1p_neg, -tl.log(x))
+    return -tl.log(e)
 
 
 @triton.jit
@@ -216,7 +240,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     """Exact draw from softmax((x - m) / t) of row ``r`` by two-level Gumbel-max: a tile with
     keys log-mass + G (STREAM_SAMPLE_TILE), then a token of that tile with keys
     (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
-    best = tl.full((), -float("inf"), tl.float64)
+    best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
         offs = c + tl.arange(0, NT_CHUNK)
@@ -226,7 +250,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
         ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
         has = ok & (ts > 0) & (tm > -float("inf"))
         lm = (tl.where(has, tm, m) - m) / t + tl.log(tl.where(has, ts, 1.0))
-        key = lm.to(tl.float64) + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
+        key = lm + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
         key = tl.where(has, key, -float("inf"))
         kmax = tl.max(key, axis=0)
         kidx = tl.argmax(key, axis=0) + c
@@ -236,7 +260,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
                 other=-float("inf")).to(tl.float32)
     fin = (x > -float("inf")) & (x < float("inf"))
-    key = tl.where(fin, (x - m) / t, -float("inf")).to(tl.float64)
+    key = tl.where(fin, (x - m) / t, -float("inf"))
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
     key = tl.where(fin, key, -float("inf"))
     return (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
@@ -512,14 +536,14 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
         pos = tl.load(pos_ptr + i) + j
-        best = tl.full((), -float("inf"), tl.float64)
+        best = tl.full((), -float("inf"), tl.float32)
         bt = 0
         for c in range(0, NT, NT_CHUNK):
             offs = c + tl.arange(0, NT_CHUNK)
             ok = offs < NT
             mass = tl.load(mass_ptr + i.to(tl.int64) * NT + offs, mask=ok, other=0.0)
             has = ok & (mass > 0)
-            key = tl.log(tl.where(has, mass, 1.0)).to(tl.float64) + _gumbel(
+            key = tl.log(tl.where(has, mass, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL_TILE)
             key = tl.where(has, key, -float("inf"))
             kmax = tl.max(key, axis=0)
@@ -541,7 +565,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             offs = bt * BLOCK + tl.arange(0, BLOCK)
             w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
                                   dlogz, dt, rho, offs, DRAFT_PROBS)
-            key = tl.log(tl.where(w > 0, w, 1.0)).to(tl.float64) + _gumbel(
+            key = tl.log(tl.where(w > 0, w, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
             tok = (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
