@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -88,11 +87,11 @@ def test_forbidden_paths_split_fused_and_general_on_triton_only():
     assert "triton.*.fused" in bench.forbidden_paths("triton", "unfused")
 
 
-def test_bench_registers_on_a_subparser():
-    parser = argparse.ArgumentParser(prog="specsample")
-    bench.add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--quick", "--batch-sizes", "1,8"])
-    assert args.func is bench.run_bench and args.batch_sizes == [1, 8] and args.quick
+def test_specsample_bench_command_is_registered():
+    from specsample import cli
+
+    args = cli.build_parser().parse_args(["bench", "--quick", "--batch-sizes", "1,8"])
+    assert args._run is bench.run_bench and args.batch_sizes == [1, 8] and args.quick
 
 
 def test_cpu_check_reports_the_ratio():

@@ -704,14 +704,6 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``bench`` on an argparse ``subparsers`` object (``func`` = :func:`run_bench`)."""
-    p = subparsers.add_parser("bench", help="benchmark verify() and sample() against the floor")
-    add_bench_arguments(p)
-    p.set_defaults(func=run_bench)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m specsample.bench [options]``."""
     parser = argparse.ArgumentParser(prog="python -m specsample.bench",

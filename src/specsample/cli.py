@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .bench import add_bench_arguments, run_bench
+
 
 @dataclass(frozen=True)
 class Command:
@@ -302,6 +304,8 @@ def _print_report(report: dict, *, streamed: bool) -> None:
 
 register("generate", "speculative generation on a transformers model (default: SmolLM2-135M)",
          add_generate_arguments, run_generate)
+register("bench", "benchmark verify() and sample() against the memory floor (GPU; --cpu-check)",
+         add_bench_arguments, run_bench)
 
 
 # --------------------------------------------------------------------------- main

@@ -96,14 +96,27 @@ def apply_filters(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     return z
 
 
-def process_rows(plan: Plan, *, filters: bool = True) -> torch.Tensor:
+def process_rows(plan: Plan, *, filters: bool = True,
+                 row_max: torch.Tensor | None = None) -> torch.Tensor:
     """The processed float32 logits ``z'`` [T, V] of every row of ``plan`` (semantics.md §2).
 
-    Rows of invalid requests (see ``Plan.row_bad``) must have been sanitised by the caller.
+    Rows of invalid requests must have been sanitised by the caller. ``row_max``: [T] max of
+    the raw rows if the caller has it; without logit bias or penalties the result is then one
+    subtraction and an in-place scaling, ``z' = (x - max) * (1 / T)`` (greedy rows: T = 1;
+    the max maps to exactly 0).
     """
+    batch: SamplingBatch = plan.batch
+    if row_max is not None and not (batch.needs_bias or batch.needs_penalties):
+        m = row_max.float()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        t = batch.temperature[plan.row_req]
+        inv_t = 1.0 / torch.where(t > 0, t, torch.ones_like(t))
+        z = torch.sub(plan.logits, m[:, None]).mul_(inv_t[:, None])
+        if filters and batch.needs_filter:
+            apply_filters(z, plan)
+        return z
     z = plan.logits.float().clone() if plan.logits.dtype == torch.float32 else (
         plan.logits.float())
-    batch: SamplingBatch = plan.batch
     apply_bias_and_penalties(z, plan)
     apply_temperature(z, batch.temperature[plan.row_req])
     if filters and batch.needs_filter:

@@ -48,14 +48,15 @@ def _or_per_request(flags: torch.Tensor, req: torch.Tensor, n: int, bit: int) ->
     return out.scatter_reduce(0, req, flags.to(torch.int64) * bit, reduce="amax")
 
 
-def request_errors(plan: Plan) -> torch.Tensor:
+def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Tensor:
     """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host sync).
 
     One max per row finds every target-row error: NaN propagates through the max, +inf is
-    the max, and a row with no finite value has max -inf.
+    the max, and a row with no finite value has max -inf. ``row_max``: that [T] max, if the
+    caller has it.
     """
     n = plan.num_requests
-    mx = plan.logits.amax(dim=-1)
+    mx = plan.logits.amax(dim=-1) if row_max is None else row_max
     live = plan.row_live
     bad_nan = (torch.isnan(mx) | torch.isposinf(mx)) & live
     err = _or_per_request(bad_nan, plan.row_req, n, ERR_LOGITS_NAN)
@@ -77,12 +78,34 @@ def request_errors(plan: Plan) -> torch.Tensor:
 
 
 def tile_logsumexp(z: torch.Tensor) -> torch.Tensor:
-    """[R, NT] log-sum-exp of each ``rng.TILE``-wide vocabulary tile of ``z`` [R, V]."""
+    """[R, NT] log-sum-exp of each ``rng.TILE``-wide vocabulary tile of ``z`` [R, V].
+
+    ``z`` must be at most 0 (processed logits, whose row max is 0, or log-weights <= 0), so
+    exp cannot overflow; a tile whose every value is below about -103 gets -inf, a probability
+    under 1e-41 that float32 cannot represent anyway.
+    """
     r, v = z.shape
-    nt = -(-v // rng.TILE)
-    pad = nt * rng.TILE - v
-    zt = torch.nn.functional.pad(z, (0, pad), value=-math.inf) if pad else z
-    return torch.logsumexp(zt.view(r, nt, rng.TILE), dim=-1)
+    e = torch.exp(z)
+    full = v // rng.TILE
+    parts = [e[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
+    if v % rng.TILE:
+        parts.append(e[:, full * rng.TILE:].sum(-1, keepdim=True))
+    return torch.log(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+
+
+def processed_tile_logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile log-sum-exp [R, NT], row log-sum-exp [R]) of processed logits ``z`` whose row
+    max is 0, from one fused softmax pass: p = softmax(z) gives each tile's share of the row
+    mass, and the row's log-normaliser is -log(max p) (the max entry has z = 0)."""
+    r, v = z.shape
+    p = torch.softmax(z, dim=-1)
+    lse = -torch.log(p.amax(dim=-1))
+    full = v // rng.TILE
+    parts = [p[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
+    if v % rng.TILE:
+        parts.append(p[:, full * rng.TILE:].sum(-1, keepdim=True))
+    shares = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return torch.log(shares) + lse[:, None], lse
 
 
 def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo: torch.Tensor,
@@ -236,7 +259,8 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     """
     batch = plan.batch
     n = plan.num_requests
-    err = request_errors(plan)
+    row_max = plan.logits.amax(dim=-1)
+    err = request_errors(plan, row_max)
     invalid = err != 0
     dead = ~plan.row_live
     if bool(invalid.any()) or bool(dead.any()):
@@ -244,9 +268,8 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
-    z = process_rows(plan)
-    tile_lse = tile_logsumexp(z)
-    lse = torch.logsumexp(tile_lse, dim=-1)
+    z = process_rows(plan, row_max=row_max)
+    tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
     greedy_req = batch.temperature == 0
     y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
