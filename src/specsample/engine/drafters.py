@@ -6,8 +6,9 @@
   and a seeded request emits exactly what plain decoding emits (API.md guarantee 4).
 * :class:`ModelDrafter` (``"model"``): a second (small) transformers causal LM. Each draft is
   sampled from ``softmax(draft_logits / temperature)`` of the request (temperature only) with
-  Gumbel-max over ``specsample.rng`` noise on ``STREAM_DRAFT`` keyed by the request's seed and
-  the draft's absolute position; greedy requests take the argmax. Its raw logits go to
+  the exact two-level Gumbel-max draw on the drafter's own streams ``rng.draft_streams(j)``,
+  keyed by the request's seed, the draft's absolute position and its index j in the window;
+  greedy requests take the argmax. Its raw logits go to
   ``verify()`` as ``draft_logits``.
 * :class:`NoDrafter` (``"none"``): no drafts; the engine decodes through ``sample()``.
 
