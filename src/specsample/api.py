@@ -64,14 +64,17 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     backend = select_backend(plan.logits.device)
     batch = plan.batch
     n_greedy = sum(p.greedy for p in batch.params)
+    # Recorded before running, so that a forbidden path raises before doing any work.
     if backend == "triton":
         from . import triton_backend
 
-        out, err, path = triton_backend.run(plan, op)
+        kind = "general" if batch.needs_general_path else "fused"
+        paths.record(f"triton.{op}.{kind}", plan.num_rows)
+        out, err = triton_backend.run(plan, op)
     else:
+        paths.record(f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}",
+                     plan.num_rows)
         out, err = torch_backend.verify(plan)
-        path = f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}"
-    paths.record(path, plan.num_rows)
     if n_greedy:
         paths.record("requests.greedy", n_greedy)
     if n_greedy < batch.num_requests:

@@ -93,11 +93,12 @@ def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
-    """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels.
+def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
+    """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels:
+    the fused path, or the general path when a request needs a processor beyond temperature.
 
-    Returns (VerifyOutput, the [N] int64 error bitmask, the path name). No host
-    synchronisation on the fused path.
+    Returns (VerifyOutput, the [N] int64 error bitmask). No host synchronisation on the fused
+    path.
     """
     batch = plan.batch
     dev = plan.logits.device
@@ -106,12 +107,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
     if general:
         x = process_rows(plan)
         temp = torch.ones_like(batch.temperature)
-        path = f"triton.{op}.general"
     else:
         x = _contiguous_rows(plan.logits, "target")
         temp = batch.temperature
-    if not general:
-        path = f"triton.{op}.fused"
     req_temp = batch.temperature
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
@@ -187,7 +185,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor, str]:
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                        logprob_token_ids=logprob_ids, invalid=invalid)
-    return out, err, path
+    return out, err
 
 
 # ---------------------------------------------------------------------------------------------
