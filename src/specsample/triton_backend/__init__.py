@@ -69,17 +69,16 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
     s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
     part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
-    part_a = torch.empty(rows, s, dtype=torch.int32, device=dev)
     part_f = torch.empty(rows, s, dtype=torch.int32, device=dev)
     tiles = torch.empty(2, rows if write_tiles else 1, nt, dtype=torch.float32, device=dev)
     if rows:
         kernels.stats_kernel[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
             live_extra, temp,
-            part_m, part_s, part_a, part_f, tiles[0], tiles[1], s, cps, nt,
+            part_m, part_s, part_f, tiles[0], tiles[1], s, cps, nt,
             IS_PROBS=is_probs, WRITE_TILES=write_tiles, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_a, part_f, tiles), (s, cps, nt)
+    return (part_m, part_s, part_f, tiles), (s, cps, nt)
 
 
 def _tiles_per_chunk(device: torch.device) -> int:
@@ -113,7 +112,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     req_temp = batch.temperature
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
-    (part_m, part_s, part_a, part_f, tiles), (s, _cps, nt) = _launch_stats(
+    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
         x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
         write_tiles=True)
 
@@ -121,13 +120,13 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     is_probs = plan.draft_probs is not None
     if draft is not None:
         draft = _contiguous_rows(draft, "draft")
-        (dpart_m, dpart_s, dpart_a, dpart_f, _), (ds, _, _) = _launch_stats(
+        (dpart_m, dpart_s, dpart_f, _), (ds, _, _) = _launch_stats(
             draft, plan, plan.draft_req, plan.draft_j, draft_ids, 0, req_temp,
             is_probs=is_probs, write_tiles=False)
         dstride, dv = draft.stride(0), draft.shape[1]
     else:
         draft, dstride, dv, ds = part_m, 0, 1, 1
-        dpart_m, dpart_s, dpart_a, dpart_f = part_m, part_s, part_a, part_f
+        dpart_m, dpart_s, dpart_f = part_m, part_s, part_f
 
     rows = plan.num_rows
     tpc = _tiles_per_chunk(dev)
@@ -137,7 +136,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     kernels.sample_kernel[(rows,)](
         x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
         plan.k_given, temp, req_temp,
-        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_a, part_f,
+        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
         tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK,
         num_warps=warps)
 
@@ -151,7 +150,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
         plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
         y, stats, tiles[0], tiles[1], nt,
-        draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
+        draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
         token_ids, num_accepted, err, invalid, res_row, res_rho, k,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
         BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=BLOCK,
@@ -162,13 +161,13 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
         kernels.residual_mass_kernel[(n, rs)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
-            plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_a, dpart_f, ds,
+            plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
             res_row, res_rho, mass, nt, rcps, DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=warps)
         kernels.residual_draw_kernel[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_a, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k,
+            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k,
             DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:

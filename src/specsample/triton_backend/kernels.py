@@ -129,7 +129,7 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
 @triton.jit(**_NOSPEC)
 def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                  k_given_ptr, live_extra, temp_ptr,
-                 part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
+                 part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
                  S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
                  TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
@@ -155,7 +155,6 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     sum_v = tl.zeros([CHUNK], tl.float32)
     m = -float("inf")
     acc = 0.0
-    amax = 0
     if live:
         base = x_ptr + r.to(tl.int64) * stride
         for c in range(s * CPS, s * CPS + CPS):  # chunks past the row end are fully masked
@@ -167,8 +166,6 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                 fin = (x > -float("inf")) & (x < float("inf"))
                 bad = mask & ((x != x) | ~fin | (x < 0))
                 flag_v |= bad.to(tl.int32) * FLAG_BAD | fin.to(tl.int32) * FLAG_FINITE
-                carg = tl.argmax(x, axis=0).to(tl.int32) + c * CHUNK
-                amax = tl.where(cmax > m, carg, amax)
                 sum_v += tl.where(fin, x, 0.0)
                 m = tl.maximum(m, cmax)
             else:
@@ -195,24 +192,11 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     o = r.to(tl.int64) * S + s
     tl.store(part_m_ptr + o, m)
     tl.store(part_s_ptr + o, acc)
-    tl.store(part_a_ptr + o, amax)
     tl.store(part_f_ptr + o, flags)
 
 
 @triton.jit
-def _row_max(part_m_ptr, part_a_ptr, r, S, S_MAX: tl.constexpr):
-    """Global max and argmax (lowest id) of row ``r`` from its split partials."""
-    offs = tl.arange(0, S_MAX)
-    pm = tl.load(part_m_ptr + r.to(tl.int64) * S + offs, mask=offs < S, other=-float("inf"))
-    m = tl.max(pm, axis=0)
-    first = tl.min(tl.where(pm == m, offs, S_MAX), axis=0)
-    first = tl.minimum(first, S - 1)
-    a = tl.load(part_a_ptr + r.to(tl.int64) * S + first)
-    return m, a
-
-
-@triton.jit
-def _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
+def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
                IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
     """Combine row ``r``'s splits: (max, log-normaliser, argmax, flags).
 
@@ -224,14 +208,14 @@ def _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
     pm = tl.load(part_m_ptr + o, mask=ok, other=-float("inf"))
     ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
     pf = tl.load(part_f_ptr + o, mask=ok, other=0)
-    m, a = _row_max(part_m_ptr, part_a_ptr, r, S, S_MAX)
+    m = tl.max(pm, axis=0)
     if IS_PROBS:
         total = tl.sum(ps, axis=0)
     else:
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)), axis=0)
     flags = tl.max(pf & FLAG_BAD, axis=0) | tl.max(pf & FLAG_FINITE, axis=0)
-    return m, tl.log(total), a, flags
+    return m, tl.log(total), flags
 
 
 @triton.jit
@@ -289,7 +273,7 @@ def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC: tl.constexpr, BLOCK
 @triton.jit(**_NOSPEC)
 def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, req_temp_ptr,
-                  seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_a_ptr,
+                  seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
                   S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
@@ -301,8 +285,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
     t = tl.load(temp_ptr + req)
     t = tl.where(t > 0, t, 1.0)
-    m, logz, a, flags = _row_stats(part_m_ptr, part_s_ptr, part_a_ptr, part_f_ptr, r, S, t,
-                                   False, S_MAX)
+    m, logz, flags = _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, False, S_MAX)
     y = 0
     ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
     if ok & (tl.load(req_temp_ptr + req) > 0):
@@ -375,7 +358,7 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                   row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr,
                   y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
-                  d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
+                  d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                   out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                   res_rho_ptr, K,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
@@ -422,8 +405,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
         dlogz = 0.0
         if HAS_DRAFT:
             if is_draft:
-                dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr,
-                                                   dpart_f_ptr, dr, DS, dt, DRAFT_PROBS, S_MAX)
+                dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS,
+                                               dt, DRAFT_PROBS, S_MAX)
                 dbad = ((dflags & FLAG_BAD) != 0) | ((dflags & FLAG_FINITE) == 0)
                 if DRAFT_PROBS:
                     dbad = dbad | ~(dlogz > -float("inf"))
@@ -488,10 +471,32 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     tl.store(out_invalid_ptr + i, invalid)
 
 
+@triton.jit
+def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                           draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
+                           dpart_f_ptr, DS, res_rho_ptr, i, r, tile, DRAFT_PROBS: tl.constexpr,
+                           S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Residual weights w = max(rho_tau p - q, 0) of tile ``tile`` of request ``i``'s rejected
+    target row ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
+    t = tl.load(temp_ptr + i)
+    t = tl.where(t > 0, t, 1.0)
+    dt = tl.load(req_temp_ptr + i)
+    dt = tl.where(dt > 0, dt, 1.0)
+    m = tl.load(stats_ptr + r * 3)
+    logz = tl.load(stats_ptr + r * 3 + 1)
+    dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
+    dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
+                                   DRAFT_PROBS, S_MAX)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
+                          dt, tl.load(res_rho_ptr + i), offs, DRAFT_PROBS)
+    return w, offs
+
+
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                         dpart_a_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT,
+                         dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT,
                          CPS, DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr,
                          BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
@@ -501,27 +506,18 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
     s = tl.program_id(1)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
-        t = tl.load(temp_ptr + i)
-        t = tl.where(t > 0, t, 1.0)
-        dt = tl.load(req_temp_ptr + i)
-        dt = tl.where(dt > 0, dt, 1.0)
-        m = tl.load(stats_ptr + r * 3)
-        logz = tl.load(stats_ptr + r * 3 + 1)
-        dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
-        dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr,
-                                           dr, DS, dt, DRAFT_PROBS, S_MAX)
-        rho = tl.load(res_rho_ptr + i)
         for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
-            offs = tile * BLOCK + tl.arange(0, BLOCK)
-            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, DRAFT_PROBS)
+            w, offs = _rejected_tile_weights(
+                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                res_rho_ptr, i, r, tile, DRAFT_PROBS, S_MAX, BLOCK)
             tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
 
 
 @triton.jit(**_NOSPEC)
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr,
-                         dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_a_ptr, dpart_f_ptr, DS,
+                         dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                          res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K,
                          DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact two-level Gumbel-max draw from the
@@ -552,19 +548,10 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             best = tl.maximum(best, kmax)
         tok = tl.load(y_ptr + r)
         if best > -float("inf"):
-            t = tl.load(temp_ptr + i)
-            t = tl.where(t > 0, t, 1.0)
-            dt = tl.load(req_temp_ptr + i)
-            dt = tl.where(dt > 0, dt, 1.0)
-            m = tl.load(stats_ptr + r * 3)
-            logz = tl.load(stats_ptr + r * 3 + 1)
-            dr = tl.load(draft_start_ptr + i) + j
-            dm, dlogz, da, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_a_ptr,
-                                               dpart_f_ptr, dr, DS, dt, DRAFT_PROBS, S_MAX)
-            rho = tl.load(res_rho_ptr + i)
-            offs = bt * BLOCK + tl.arange(0, BLOCK)
-            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, DRAFT_PROBS)
+            w, offs = _rejected_tile_weights(
+                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                res_rho_ptr, i, r, bt, DRAFT_PROBS, S_MAX, BLOCK)
             key = tl.log(tl.where(w > 0, w, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
