@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -144,7 +144,6 @@ class SamplingBatch:
     needs_bias: bool = False
     max_logprobs: int = -1  # -1: nobody asked for logprobs
     any_processed_logprobs: bool = False
-    extras: dict = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

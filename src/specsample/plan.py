@@ -82,10 +82,6 @@ class Plan:
         """[S] bool: the draft is read (before the request's first placeholder)."""
         return self.draft_j < self.k_eff[self.draft_req]
 
-    def draft_rows(self) -> torch.Tensor:
-        """[S] int64: the target row scoring each draft."""
-        return self.row_start[self.draft_req] + self.draft_j
-
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) pairs: each live draft j' counted at rows j' + 1 .. k_eff of its request."""
         if self.draft_token_ids.numel() == 0:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 
 import torch
@@ -287,8 +286,3 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         torch.cuda.synchronize(device)
     install_compile_guard(on_compile)
     return calls
-
-
-def interpreter_enabled() -> bool:
-    """True when Triton's interpreter is on (TRITON_INTERPRET=1), needed for CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
