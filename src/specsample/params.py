@@ -11,6 +11,7 @@ import torch
 from .rng import split_seed
 
 LOGPROBS_MODES = ("raw", "processed")
+F32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,18 @@ class SamplingBatch:
                                      f"[0, {vocab_size})")
                 bias_req.append(i)
                 bias_ids.append(tok)
-                bias_val.append(float(val))
+                bias_val.append(min(max(float(val), -F32_MAX), F32_MAX))
 
         penal = [p.presence_penalty != 0 or p.frequency_penalty != 0
                  or p.repetition_penalty != 1 for p in params]
+
+        # Temperature and repetition penalty enter float32 kernels as divisors and factors:
+        # keep them normal floats so neither 1/T nor a product can overflow to inf or 0
+        # (subnormal T also gave NaN; T below 2**-149 rounded to 0, i.e. silent greedy).
+        # Outside [2**-126, 2**126] softmax(z / T) only changes for logit gaps below 1e-36 or
+        # logits above 1e36. logit_bias is clamped to float32's finite range.
+        def normal(value: float) -> float:
+            return min(max(value, 2.0**-126), 2.0**126)
 
         def f32(values):
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -228,7 +237,8 @@ class SamplingBatch:
             params=params,
             vocab_size=vocab_size,
             device=device,
-            temperature=f32([p.temperature for p in params]),
+            temperature=f32([normal(p.temperature) if p.temperature > 0 else 0.0
+                             for p in params]),
             top_k=i64(top_k),
             top_p=f32([p.top_p for p in params]),
             min_p=f32([p.min_p for p in params]),
@@ -236,7 +246,7 @@ class SamplingBatch:
             seed_hi=i64([s[1] for s in split]),
             presence_penalty=f32([p.presence_penalty for p in params]),
             frequency_penalty=f32([p.frequency_penalty for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            repetition_penalty=f32([normal(p.repetition_penalty) for p in params]),
             logprobs_n=i64([-1 if p.logprobs is None else p.logprobs for p in params]),
             logprobs_processed=torch.tensor(
                 [p.logprobs_mode == "processed" for p in params], dtype=torch.bool,

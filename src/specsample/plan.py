@@ -122,7 +122,11 @@ def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
             raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints")
         values = [int(v) for v in num_draft_tokens.tolist()]
     else:
-        values = list(num_draft_tokens)
+        try:
+            values = list(num_draft_tokens)
+        except TypeError:
+            raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints, "
+                             f"got {type(num_draft_tokens).__name__}") from None
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"num_draft_tokens must hold ints, got {v!r}")
@@ -148,7 +152,7 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) ->
             raise ValueError("positions is required when a request has a user-given seed")
         return torch.randint(0, 2**40, (n,), dtype=torch.int64, device=device)
     if not isinstance(positions, torch.Tensor):
-        positions = torch.as_tensor(positions, dtype=torch.int64)
+        positions = torch.as_tensor(positions)  # no dtype: floats must not be truncated
     if positions.dim() != 1 or positions.shape[0] != n:
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
@@ -196,7 +200,9 @@ def build_plan(
     if draft_token_ids is None:
         draft_token_ids = torch.empty(0, dtype=torch.int64, device=device)
     elif not isinstance(draft_token_ids, torch.Tensor):
-        draft_token_ids = torch.as_tensor(list(draft_token_ids), dtype=torch.int64)
+        draft_token_ids = torch.as_tensor(list(draft_token_ids))  # floats are rejected below
+        if draft_token_ids.numel() == 0:
+            draft_token_ids = draft_token_ids.to(torch.int64)
     if draft_token_ids.dim() != 1 or draft_token_ids.dtype.is_floating_point or (
         draft_token_ids.dtype == torch.bool
     ):

@@ -74,7 +74,7 @@ def apply_filters(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     sampled = batch.temperature[req] > 0
     min_p = torch.where(sampled, batch.min_p[req], torch.zeros_like(batch.min_p[req]))
     if bool((min_p > 0).any()):
-        log_min_p = torch.log(min_p.clamp_min(1e-38))
+        log_min_p = torch.log(min_p)  # -inf where off (masked below); no clamp: exact
         z.masked_fill_((min_p[:, None] > 0) & (z < log_min_p[:, None]), -math.inf)
     top_k = torch.where(sampled, batch.top_k[req], torch.zeros_like(batch.top_k[req]))
     top_p = torch.where(sampled, batch.top_p[req], torch.ones_like(batch.top_p[req]))

@@ -181,7 +181,7 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     k_eff = plan.k_eff
     rho = torch.ones(n, k + 1, dtype=torch.float32, device=z.device)
     h = torch.zeros(n, k + 1, dtype=torch.float32, device=z.device)
-    dsafe = d.clamp_min(0)
+    dsafe = d.clamp(0, plan.vocab_size - 1)  # ids of invalid requests are only read safely
     for j in range(k):
         live = (j < k_eff) & sampled_dist
         r = rows[:, j]
@@ -269,6 +269,16 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
     z = process_rows(plan, row_max=row_max)
+    if batch.needs_bias or batch.needs_penalties:
+        # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
+        # processed logits hold NaN / +inf or nothing finite, as the Triton general path does.
+        zmax = z.amax(dim=-1)
+        live = plan.row_live & ~invalid[plan.row_req]
+        err |= _or_per_request((torch.isnan(zmax) | torch.isposinf(zmax)) & live,
+                               plan.row_req, n, ERR_LOGITS_NAN)
+        err |= _or_per_request(torch.isneginf(zmax) & live, plan.row_req, n,
+                               ERR_LOGITS_NO_FINITE)
+        invalid = err != 0
     tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
     greedy_req = batch.temperature == 0
@@ -286,7 +296,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         if plan.method == "block":
             n_acc_dist, rho_tau = _block_tau(plan, z, lse, rows, d, didx, sampled_dist)
         else:
-            dsafe = d.clamp_min(0)
+            dsafe = d.clamp(0, plan.vocab_size - 1)
             p_x = torch.exp(z[rows[:, :k], dsafe] - lse[rows[:, :k]])
             q_all = draft_distribution(plan, didx.reshape(-1)).reshape(n, k, plan.vocab_size)
             q_x = q_all.gather(2, dsafe[:, :, None]).squeeze(2)

@@ -1,0 +1,112 @@
+"""Regressions found by review: bad / edge inputs on both backends (API.md guarantees 2 and 5)."""
+
+import math
+
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, sample, verify
+
+V = 64
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", request.param)
+    return request.param
+
+
+def _batch(params, v=V, **kw):
+    return SamplingBatch.from_params(params, vocab_size=v, **kw)
+
+
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("bad_id", [V, 2**33 + 1, -2])
+def test_bad_draft_id_with_draft_distribution_is_flagged_not_crash(backend, kind, method,
+                                                                    bad_id):
+    # A draft id outside [0, V) with a draft distribution crashed the torch backend
+    # (IndexError / RuntimeError from gather) instead of flagging the request.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, V, generator=g)
+    dl = torch.randn(3, V, generator=g)
+    dist = {kind: dl if kind == "draft_logits" else torch.softmax(dl, -1)}
+    d = torch.tensor([1, bad_id, 3])
+    batch = _batch([SamplingParams(seed=1), SamplingParams(seed=2)])
+    pos = torch.tensor([0, 10])
+    out = verify(x, d, [2, 1], batch, positions=pos, method=method, strict=False, **dist)
+    assert out.invalid.tolist() == [True, False]
+    assert out.token_ids[0].tolist() == [-1, -1, -1]
+    assert int(out.num_accepted[0]) == 0
+    assert ((out.token_ids[1] >= -1) & (out.token_ids[1] < V)).all()
+    with pytest.raises(specsample.SamplingError) as e:
+        verify(x, d, [2, 1], batch, positions=pos, method=method, **dist)
+    assert e.value.requests == [0]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-46])
+@pytest.mark.parametrize("general", [False, True])
+def test_subnormal_temperature_samples_the_tied_maxima(backend, temperature, general):
+    # float32-subnormal temperatures gave NaN logits (torch: a non-maximal token or argmax;
+    # Triton: a SamplingError on valid data); below 2**-149 the value rounded to 0 and the
+    # request was silently decoded greedily (guarantee 2). Two tied maxima must both appear.
+    x = torch.full((1, V), -5.0)
+    x[0, 3] = x[0, 4] = 5.0
+    seen = set()
+    for seed in range(24):
+        p = SamplingParams(temperature=temperature, seed=seed, top_k=8 if general else 0,
+                           logprobs=1, logprobs_mode="processed")
+        out = sample(x, _batch([p]), positions=torch.tensor([0]))
+        seen.add(int(out.token_ids[0]))
+        assert torch.isfinite(out.logprobs[0, 0])
+    assert seen == {3, 4}
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_huge_temperature_never_emits_an_impossible_token(backend, temperature):
+    # A temperature above float32's range became +inf: -inf / inf = NaN made banned (-inf)
+    # tokens sampleable (torch) or the request invalid (Triton).
+    x = torch.full((2, V), -math.inf)
+    x[:, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(2)]
+    for step in range(8):
+        out = sample(x, _batch(params), positions=torch.tensor([step, step]))
+        assert out.token_ids.lt(4).all() and out.token_ids.ge(0).all()
+
+
+def test_penalty_and_bias_outside_float32_range(backend):
+    # repetition_penalty / logit_bias beyond float32's range became inf in the batch: a zero
+    # logit times an inf penalty is NaN, which torch then emitted and Triton flagged.
+    x = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    x[:, 3] = 0.0
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1e39),
+              SamplingParams(seed=1, repetition_penalty=1e39, logit_bias={5: 1e39})]
+    batch = _batch(params, output_token_ids=[[3, 4], [3, 4]])
+    out = sample(x, batch, positions=torch.tensor([0, 0]))
+    assert out.invalid.tolist() == [False, False]
+    assert int(out.token_ids[0]) != 3  # 0 * penalty is 0, not NaN: token 3 is not the max
+    assert int(out.token_ids[1]) == 5
+
+
+def test_num_draft_tokens_scalar_and_float_lists_raise_value_error():
+    x = torch.randn(4, V)
+    batch = _batch([SamplingParams(seed=1)])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        verify(x, torch.tensor([1, 2, 3]), 3, batch, positions=torch.tensor([0]))
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        verify(x, [1.7, 2, 3], [3], batch, positions=torch.tensor([0]))
+    with pytest.raises(ValueError, match="positions"):
+        sample(x[:1], batch, positions=[0.5])
+
+
+def test_tiny_min_p_is_not_clamped(backend):
+    # log(min_p) was taken of min_p.clamp_min(1e-38): min_p = 1e-40 dropped tokens with
+    # p / max p in [1e-40, 1e-38) (here e**-90 ~ 8e-40), which semantics.md keeps.
+    x = torch.full((1, V), -math.inf)
+    x[0, 0], x[0, 1] = 0.0, -90.0
+    p = SamplingParams(seed=0, min_p=1e-40, logprobs=2, logprobs_mode="processed")
+    out = sample(x, _batch([p]), positions=torch.tensor([0]))
+    assert out.logprob_token_ids[0, 1:].tolist() == [0, 1]
+    assert out.logprobs[0, 2].item() == pytest.approx(-90.0, abs=1e-3)
