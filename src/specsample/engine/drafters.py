@@ -192,7 +192,7 @@ class ModelDrafter(Drafter):
             return int(torch.argmax(logits))
         dev = logits.device
         z = logits.float()[None]
-        z = (z - z.max()) / ctx.temperature
+        z = (z - z.max()) / max(ctx.temperature, 2.0**-126)  # as the batch clamps T
 
         def key(value: int) -> torch.Tensor:
             return torch.tensor([value], dtype=torch.int64, device=dev)
