@@ -134,6 +134,13 @@ def test_cuda_graph_capture_and_replay(kind):
 
 
 def test_warmup_then_no_compilation():
+    try:
+        _warmup_then_no_compilation()
+    finally:
+        triton_backend.disarm_compile_guard()
+
+
+def _warmup_then_no_compilation():
     vocab = 32000
     specsample.warmup("cuda", vocab_size=vocab, on_compile="raise")
     assert triton_backend.compilations_after_warmup() == []

@@ -216,6 +216,12 @@ def compilations_after_warmup() -> list[str]:
     return list(_state["compiles_after_warmup"])
 
 
+def disarm_compile_guard() -> None:
+    """Stop reporting compilations (for example before compiling for a new vocabulary size;
+    call :func:`specsample.warmup` again to re-arm)."""
+    _state["warmed"] = False
+
+
 def install_compile_guard(on_compile: str = "warn") -> None:
     """Report Triton compilations of specsample kernels from now on.
 
