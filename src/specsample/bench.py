@@ -1,4 +1,4 @@
-"""Benchmark harness (issue 4): verify() and sample() against the memory floor.
+"""Benchmark harness: verify() and sample() against the memory-bandwidth floor.
 
 Run ``python -m specsample.bench --out DIR`` (or ``specsample bench``). For every case it
 measures our call (the fused path; on a GPU the general path and the PyTorch backend are
@@ -6,7 +6,7 @@ forbidden, see :mod:`specsample.paths`) and our own unfused baseline (an FP32 co
 logits, then the general path), and writes a table to stdout, ``bench.json`` and ``bench.png``
 into the output directory.
 
-Protocol (seed measurement of issue 4):
+Protocol (the reference measurement of DESIGN.md):
 
 * verify(): V = 151,936, K = 4, B in 1, 8, 32, 128, bf16 target logits [B (K+1), V], one-hot
   drafts and draft logits [B K, V], temperatures 0.7, 1.0 and "mix" (requests alternate 0.0 and
@@ -28,7 +28,7 @@ Protocol (seed measurement of issue 4):
 
 On a CPU (no CUDA) the harness runs the PyTorch backend with ``time.perf_counter`` medians and
 no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` runs the CPU check of
-issue 2 instead: verify() at B = 8, K = 4, V = 151,936, float32, T = 0.7, one-hot drafts,
+the CPU check instead: verify() at B = 8, K = 4, V = 151,936, float32, T = 0.7, one-hot drafts,
 against one ``torch.softmax`` over the same [40, 151936] tensor (target: at most 2x).
 """
 
@@ -59,7 +59,7 @@ ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probab
 DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
 NOOP_BIAS = {0: 0.0}  # logit_bias that forces the general path and changes no logit
 
-# Targets of issue 4 (GPU, graph replay).
+# Performance targets (GPU, graph replay; DESIGN.md).
 VERIFY_FLOOR_RATIO = 1.25  # at B = 128
 VERIFY_B1_US = 8.0
 PEAK_TEMP_MIB = 0.5  # at B = 128
@@ -371,7 +371,7 @@ def floor_bytes(case: Case, inp: Inputs, rejected_sampled: int) -> tuple[int, in
 
 def check_targets(case: Case, fused: dict, floor_target_us: float, cuda: bool,
                   protocol_vocab: bool) -> list[dict]:
-    """The issue-4 targets that apply to ``case`` (GPU runs at the protocol vocabulary only)."""
+    """The performance targets that apply to ``case`` (GPU runs at the protocol vocabulary only)."""
     if not cuda or not protocol_vocab:
         return []
     t = best_us(fused)
@@ -549,7 +549,7 @@ def environment(device: torch.device, backend: str) -> dict:
 
 def cpu_check(repeats: int, *, batch: int = 8, k: int = 4, vocab: int = 151936,
               temperature: float = 0.7) -> dict:
-    """Issue 2's CPU check: verify() (float32, one-hot drafts) against one torch.softmax over
+    """The CPU check: verify() (float32, one-hot drafts) against one torch.softmax over
     the same [B (K+1), V] tensor; medians of ``repeats`` runs after one warm-up each."""
     case = Case("verify", "onehot", str(temperature), batch, k, vocab, "float32")
     inp = build_inputs(case, torch.device("cpu"))
@@ -607,7 +607,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay")
     p.add_argument("--no-unfused", action="store_true", help="skip the unfused baseline")
     p.add_argument("--cpu-check", action="store_true",
-                   help="run issue 2's CPU check (verify vs torch.softmax) and nothing else")
+                   help="CPU check only: verify() at B=8, K=4, V=151936 against one torch.softmax "
+                        "over the same rows (target <= 2x)")
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="measure nothing: print the table and draw bench.png of a saved "
                         "bench.json into --out")

@@ -68,21 +68,29 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as plain text, without the chat template")
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="0 = greedy; > 0 samples from softmax(z / T) (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k largest logits (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens with p < min_p * max p (0 = off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the first request; request i gets seed + i (default: random)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate per prompt at most (default 128)")
     s = p.add_argument_group("speculation")
-    s.add_argument("--drafter", default="ngram", help="ngram | model | none")
+    s.add_argument("--drafter", default="ngram",
+                   help="ngram (prompt lookup, default) | model (--draft-model) | none")
     s.add_argument("--draft-model", default=None, metavar="PATH",
                    help="drafter model for --drafter model (.gguf, directory or 'default')")
-    s.add_argument("--num-speculative-tokens", "-k", type=int, default=4, metavar="K")
-    s.add_argument("--method", default="token", help="token | block verification")
-    s.add_argument("--ngram-max", type=int, default=3)
-    s.add_argument("--ngram-min", type=int, default=1)
+    s.add_argument("--num-speculative-tokens", "-k", type=int, default=4, metavar="K",
+                   help="draft tokens per step (default 4)")
+    s.add_argument("--method", default="token",
+                   help="token (default) | block verification")
+    s.add_argument("--ngram-max", type=int, default=3,
+                   help="longest suffix the n-gram drafter looks up (default 3)")
+    s.add_argument("--ngram-min", type=int, default=1,
+                   help="shortest suffix the n-gram drafter looks up (default 1)")
     o = p.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="also run without speculation; print the speed-up and whether the "
