@@ -110,3 +110,14 @@ def test_tiny_min_p_is_not_clamped(backend):
     out = sample(x, _batch([p]), positions=torch.tensor([0]))
     assert out.logprob_token_ids[0, 1:].tolist() == [0, 1]
     assert out.logprobs[0, 2].item() == pytest.approx(-90.0, abs=1e-3)
+
+
+def test_numpy_integer_num_draft_tokens_and_negative_positions():
+    import numpy as np
+
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=1)], vocab_size=8)
+    logits = torch.randn(3, 8)
+    out = specsample.verify(logits, [1, 2], [np.int64(2)], batch, positions=[0])
+    assert out.token_ids.shape == (1, 3)
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        specsample.verify(logits, [1, 2], [2], batch, positions=[-1])

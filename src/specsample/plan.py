@@ -9,6 +9,7 @@ number of drafts after placeholders, and the absolute position of every row. Bac
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,9 +128,10 @@ def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
         except TypeError:
             raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints, "
                              f"got {type(num_draft_tokens).__name__}") from None
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
+        for idx, v in enumerate(values):
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
                 raise ValueError(f"num_draft_tokens must hold ints, got {v!r}")
+            values[idx] = operator.index(v)  # numpy integers too
     if len(values) != n:
         raise ValueError(f"num_draft_tokens has {len(values)} entries for {n} requests")
     if any(v < 0 for v in values):
@@ -157,6 +159,9 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) ->
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+    if positions.device.type == "cpu" and bool((positions < 0).any()):
+        # (checked for host tensors and lists only: a device tensor would need a sync)
+        raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
     return positions.to(device=device, dtype=torch.int64)
 
 
