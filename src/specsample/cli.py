@@ -113,6 +113,8 @@ def _validate_generate_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
     if args.drafter == "model" and args.draft_model is None:
         raise CLIError("--drafter model needs --draft-model PATH (a .gguf file, a transformers "
                        "directory, or 'default')")

@@ -217,3 +217,15 @@ def test_k_zero_and_stats(target_model):
     assert d["acceptance_rate"] == pytest.approx(t.accepted / t.drafted)
     assert d["mean_accepted_length"] == pytest.approx(1 + t.accepted / t.steps)
     assert sum(v["rows"] for k, v in d["paths"].items() if "verify" in k) > 0
+
+
+def test_accepted_counts_only_emitted_drafts_when_eos_cuts_a_run(target_model):
+    """Drafts accepted after an EOS are never emitted, so they are not counted as accepted."""
+    greedy = plain_greedy(target_model, REPEAT, 12)
+    eos = greedy[2]
+    params = specsample.SamplingParams(temperature=0.0)
+    res = run(target_model, "model", [REPEAT], params, draft_model=target_model, k=8,
+              eos=[eos], max_new_tokens=12)
+    s = res.stats.total
+    assert res.outputs[0].token_ids == greedy[: greedy.index(eos) + 1]
+    assert s.accepted <= s.emitted  # previously 8 accepted for 3 emitted

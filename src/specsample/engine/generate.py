@@ -305,7 +305,6 @@ class SpeculativeEngine:
             k = len(draft.token_ids)
             req.stats.steps += 1
             req.stats.drafted += k
-            req.stats.accepted += acc
             # The cache now holds tokens[:-1] + [tokens[-1]] + drafts; keep the accepted ones.
             req.cache.crop(len(req.prompt) + len(req.generated) + acc)
             committed = []
@@ -322,6 +321,8 @@ class SpeculativeEngine:
                         len(req.prompt) + len(req.generated) >= self.max_positions:
                     req.finish_reason = "length"
                     break
+            # Accepted drafts that were emitted (none past an EOS or the token budget).
+            req.stats.accepted += min(acc, len(committed))
             req.stats.emitted += len(committed)
             if on_tokens is not None and committed:
                 on_tokens(req.index, committed)
