@@ -61,6 +61,15 @@ def _inputs(vocab, dtype, kind, n=8, seed=0, temps=(0.0, 0.7, 1.0, 1.3)):
 @pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_equivalence_real_vocab(vocab, dtype, kind, method):
+    _check_equivalence(vocab, dtype, kind, method)
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
+def test_equivalence_vocab_262144(kind):
+    _check_equivalence(262144, torch.bfloat16, kind, "token")
+
+
+def _check_equivalence(vocab, dtype, kind, method):
     logits, d, ks, batch, pos, extra = _inputs(vocab, dtype, kind)
     plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
                       draft_logits=extra.get("draft_logits"),
@@ -76,7 +85,7 @@ def test_equivalence_real_vocab(vocab, dtype, kind, method):
     assert torch.equal(out.num_accepted, ref.num_accepted)
 
 
-@pytest.mark.parametrize("vocab", [151936, 248320])
+@pytest.mark.parametrize("vocab", [151936, 248320, 262144])
 def test_sample_equivalence_and_no_host_sync(vocab):
     logits, _, _, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=64)
     logits = logits[:64]
