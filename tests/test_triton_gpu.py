@@ -11,6 +11,7 @@ import torch
 
 import specsample
 from specsample import SamplingBatch, SamplingParams, paths, torch_backend
+from specsample.bench import capture_graph
 from specsample.plan import build_plan
 
 pytestmark = pytest.mark.gpu
@@ -118,15 +119,7 @@ def test_cuda_graph_capture_and_replay(kind):
                                  draft_logits=static.get("dl"), positions=static["pos"],
                                  strict=False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = call()
+    graph, graph_out = capture_graph(call)
     for seed in (2, 3):
         logits2, d2, _, _, pos2, extra2 = _inputs(vocab, torch.bfloat16, kind, n=8, seed=seed)
         static["logits"].copy_(logits2)

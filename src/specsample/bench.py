@@ -254,8 +254,11 @@ def time_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: int, r
     return 1e6 * statistics.median(times)
 
 
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """Warm ``fn`` up on a side stream (as the PyTorch docs prescribe), then capture one call."""
+def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up on a side stream (as the PyTorch docs prescribe), then capture one call.
+
+    Returns the graph and the captured call's output (its tensors are rewritten by every
+    replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -264,9 +267,9 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
-    return graph
+    return graph, out
 
 
 def peak_temp_mib(fn: Callable[[], object], device: torch.device) -> float | None:
@@ -328,7 +331,7 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
             res["error"] = f"{type(exc).__name__}: {exc}"
         if res["error"] is None and cfg.graphs:
             try:
-                graph = capture_graph(fn)
+                graph, _ = capture_graph(fn)
                 res["graph_us"] = time_us(graph.replay, cfg.device, warmup_ms=cfg.warmup_ms,
                                           rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
                 del graph

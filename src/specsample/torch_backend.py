@@ -77,6 +77,16 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     return err
 
 
+def _tile_sums(e: torch.Tensor) -> torch.Tensor:
+    """[R, NT] sums of each ``rng.TILE``-wide vocabulary tile of ``e`` [R, V]."""
+    r, v = e.shape
+    full = v // rng.TILE
+    parts = [e[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
+    if v % rng.TILE:
+        parts.append(e[:, full * rng.TILE:].sum(-1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 def tile_logsumexp(z: torch.Tensor) -> torch.Tensor:
     """[R, NT] log-sum-exp of each ``rng.TILE``-wide vocabulary tile of ``z`` [R, V].
 
@@ -84,28 +94,16 @@ def tile_logsumexp(z: torch.Tensor) -> torch.Tensor:
     exp cannot overflow; a tile whose every value is below about -103 gets -inf, a probability
     under 1e-41 that float32 cannot represent anyway.
     """
-    r, v = z.shape
-    e = torch.exp(z)
-    full = v // rng.TILE
-    parts = [e[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
-    if v % rng.TILE:
-        parts.append(e[:, full * rng.TILE:].sum(-1, keepdim=True))
-    return torch.log(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    return torch.log(_tile_sums(torch.exp(z)))
 
 
 def processed_tile_logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile log-sum-exp [R, NT], row log-sum-exp [R]) of processed logits ``z`` whose row
     max is 0, from one fused softmax pass: p = softmax(z) gives each tile's share of the row
     mass, and the row's log-normaliser is -log(max p) (the max entry has z = 0)."""
-    r, v = z.shape
     p = torch.softmax(z, dim=-1)
     lse = -torch.log(p.amax(dim=-1))
-    full = v // rng.TILE
-    parts = [p[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
-    if v % rng.TILE:
-        parts.append(p[:, full * rng.TILE:].sum(-1, keepdim=True))
-    shares = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return torch.log(shares) + lse[:, None], lse
+    return torch.log(_tile_sums(p)) + lse[:, None], lse
 
 
 def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo: torch.Tensor,
