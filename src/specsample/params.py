@@ -121,8 +121,8 @@ class SamplingBatch:
     device: torch.device
     temperature: torch.Tensor  # [N] float32
     top_k: torch.Tensor  # [N] int64, 0 = off
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
+    top_p: torch.Tensor  # [N] float64 (filter cuts are decided in float64)
+    min_p: torch.Tensor  # [N] float64
     seed_lo: torch.Tensor  # [N] int64 (uint32 values)
     seed_hi: torch.Tensor  # [N] int64 (uint32 values)
     presence_penalty: torch.Tensor  # [N] float32
@@ -222,6 +222,9 @@ class SamplingBatch:
         def f32(values):
             return torch.tensor(values, dtype=torch.float32, device=device)
 
+        def f64(values):
+            return torch.tensor(values, dtype=torch.float64, device=device)
+
         def i64(values):
             return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -240,8 +243,8 @@ class SamplingBatch:
             temperature=f32([normal(p.temperature) if p.temperature > 0 else 0.0
                              for p in params]),
             top_k=i64(top_k),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
+            top_p=f64([p.top_p for p in params]),
+            min_p=f64([p.min_p for p in params]),
             seed_lo=i64([s[0] for s in split]),
             seed_hi=i64([s[1] for s in split]),
             presence_penalty=f32([p.presence_penalty for p in params]),

@@ -2,8 +2,9 @@
 
 ``process_rows`` turns raw logits rows into the processed logits ``z'`` of docs/semantics.md:
 logit_bias -> penalties -> temperature (after subtracting the row maximum) -> min_p -> top_k ->
-top_p. The Triton backend's general path materialises this float32 tensor and then runs its
-kernels on it (a named, counted fallback); the fused path applies temperature inside the kernel.
+top_p, the filters decided exactly on the float32 values (``filter_drop``). The Triton
+backend's general path materialises this float32 tensor and then runs its kernels on it (a
+named, counted fallback); the fused path applies temperature inside the kernel.
 """
 
 from __future__ import annotations
@@ -54,71 +55,91 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     return z
 
 
-def apply_temperature(z: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``(z - max) / T`` per row, in place; rows with T == 0 get ``z - max`` (T = 1).
+def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 >= each float64 value of ``t`` (so ``y < result`` for a float32
+    ``y`` is exactly ``y < t`` in real arithmetic)."""
+    t32 = t.float()
+    up = torch.nextafter(t32, torch.full_like(t32, math.inf))
+    return torch.where(t32.double() < t, up, t32)
 
-    ``temperature``: [T] float32 per row. Subtracting the maximum first keeps every T > 0 safe
-    in float32: the largest logit maps to 0, nothing overflows to +inf.
+
+def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | None:
+    """[T, V] bool: the tokens that min_p -> top_k -> top_p drop (sampled rows only), or None.
+
+    ``y``: the rows before temperature (raw logits in any float dtype, or float32 after bias
+    and penalties); ``m``: [T] float32 finite row maxima of ``y``. Decisions are made on ``y``
+    itself, never on rounded sums (docs/semantics.md, "Filters in float32"):
+
+    * min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
+      float32, so the test is exact for the float32 values;
+    * top_k keeps the k largest values by rank alone (stable: lower ids first on ties), with no
+      probability sum involved;
+    * top_p sorts the survivors once and accumulates ``exp((y - m) / T)`` in float64; a token
+      is kept iff the mass ranked before it is < top_p times the survivors' mass (float64,
+      relative error about 1e-16 per token, so nothing saturates at 1).
     """
-    m = z.amax(dim=-1, keepdim=True)
-    z -= torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    z /= t[:, None]
-    return z
-
-
-def apply_filters(z: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """min_p -> top_k -> top_p on sampled rows of max-0 processed logits ``z`` (in place)."""
     batch = plan.batch
     req = plan.row_req
+    v = y.shape[1]
     sampled = batch.temperature[req] > 0
-    min_p = torch.where(sampled, batch.min_p[req], torch.zeros_like(batch.min_p[req]))
-    if bool((min_p > 0).any()):
-        log_min_p = torch.log(min_p)  # -inf where off (masked below); no clamp: exact
-        z.masked_fill_((min_p[:, None] > 0) & (z < log_min_p[:, None]), -math.inf)
-    top_k = torch.where(sampled, batch.top_k[req], torch.zeros_like(batch.top_k[req]))
-    top_p = torch.where(sampled, batch.top_p[req], torch.ones_like(batch.top_p[req]))
-    rows = ((top_k > 0) & (top_k < plan.vocab_size)) | (top_p < 1)
+    t64 = batch.temperature[req].double()
+    drop = None
+    min_p = batch.min_p[req]
+    on = sampled & (min_p > 0)
+    if bool(on.any()):
+        cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
+        drop = on[:, None] & (y < cut[:, None])
+    k = batch.top_k[req]
+    k_on = sampled & (k > 0) & (k < v)
+    top_p = batch.top_p[req]
+    p_on = sampled & (top_p < 1)
+    rows = k_on | p_on
     if not bool(rows.any()):
-        return z
+        return drop
     idx = rows.nonzero().squeeze(1)
-    sub = z[idx]
+    sub = y[idx].float()
+    if drop is not None:
+        sub = sub.masked_fill(drop[idx], -math.inf)
     vals, order = torch.sort(sub, dim=-1, descending=True, stable=True)
-    rank = torch.arange(sub.shape[1], device=z.device)[None, :]
-    k = top_k[idx]
-    keep = (k[:, None] <= 0) | (rank < k[:, None])
-    vals = vals.masked_fill(~keep, -math.inf)
-    probs = torch.softmax(vals, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs
-    keep &= before < top_p[idx, None]
-    drop = torch.zeros_like(keep).scatter_(1, order, ~keep)
-    z[idx] = sub.masked_fill(drop, -math.inf)
-    return z
+    keep = vals > -math.inf
+    rank = torch.arange(v, device=y.device)[None, :]
+    keep &= ~k_on[idx, None] | (rank < k[idx, None])
+    if bool(p_on.any()):
+        e = torch.exp((vals.double() - m[idx, None].double()) / t64[idx, None])
+        e = torch.where(keep, e, 0.0)
+        before = torch.cumsum(e, dim=-1) - e
+        total = e.sum(dim=-1, keepdim=True)
+        keep &= ~p_on[idx, None] | (before < top_p[idx, None] * total)
+    sub_drop = torch.zeros_like(keep).scatter_(1, order, ~keep)
+    if drop is None:
+        drop = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
+    drop[idx] = sub_drop
+    return drop
 
 
 def process_rows(plan: Plan, *, filters: bool = True,
                  row_max: torch.Tensor | None = None) -> torch.Tensor:
     """The processed float32 logits ``z'`` [T, V] of every row of ``plan`` (semantics.md §2).
 
-    Rows of invalid requests must have been sanitised by the caller. ``row_max``: [T] max of
-    the raw rows if the caller has it; without logit bias or penalties the result is then one
-    subtraction and an in-place scaling, ``z' = (x - max) * (1 / T)`` (greedy rows: T = 1;
-    the max maps to exactly 0).
+    ``z' = (y - max y) / T`` (greedy rows: T = 1; the max maps to exactly 0) where ``y`` is the
+    raw row after logit bias and penalties, then -inf where a filter drops the token
+    (:func:`filter_drop`). Rows of invalid requests must have been sanitised by the caller.
+    ``row_max``: [T] max of the raw rows if the caller has it; without logit bias or
+    penalties ``y`` is then the raw logits themselves (no float32 copy before the subtraction).
     """
     batch: SamplingBatch = plan.batch
     if row_max is not None and not (batch.needs_bias or batch.needs_penalties):
-        m = row_max.float()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        t = batch.temperature[plan.row_req]
-        inv_t = 1.0 / torch.where(t > 0, t, torch.ones_like(t))
-        z = torch.sub(plan.logits, m[:, None]).mul_(inv_t[:, None])
-        if filters and batch.needs_filter:
-            apply_filters(z, plan)
-        return z
-    z = plan.logits.float().clone() if plan.logits.dtype == torch.float32 else (
-        plan.logits.float())
-    apply_bias_and_penalties(z, plan)
-    apply_temperature(z, batch.temperature[plan.row_req])
-    if filters and batch.needs_filter:
-        apply_filters(z, plan)
+        y, m = plan.logits, row_max.float()
+    else:
+        y = plan.logits.float().clone() if plan.logits.dtype == torch.float32 else (
+            plan.logits.float())
+        apply_bias_and_penalties(y, plan)
+        m = y.amax(dim=-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
+    t = batch.temperature[plan.row_req]
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    drop = filter_drop(y, m, plan) if filters and batch.needs_filter else None
+    z = torch.sub(y, m[:, None]).div_(t[:, None])
+    if drop is not None:
+        z.masked_fill_(drop, -math.inf)
     return z

@@ -1,0 +1,122 @@
+"""Filters exact in float32 (min_p, top_k, top_p) on every backend, against the float64 reference.
+
+The cases that found the fault (a float32 running sum reaching 1.0 and cutting the tail) are
+pinned here; hypothesis then pushes masses toward 1 and compares the kept set with
+``specsample.reference.process_row`` wherever the reference says the decision is not a near tie.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specsample import SamplingBatch, SamplingParams, reference, sample
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", request.param)
+    return request.param
+
+
+def kept_set(logits: torch.Tensor, **params) -> set[int]:
+    """Tokens with a finite processed logprob for one row (read through processed logprobs)."""
+    v = logits.shape[-1]
+    p = SamplingParams(seed=0, logprobs=v, logprobs_mode="processed", **params)
+    batch = SamplingBatch.from_params([p], vocab_size=v)
+    out = sample(logits.reshape(1, v), batch, positions=torch.tensor([0]))
+    ids = out.logprob_token_ids[0, 1:]
+    lp = out.logprobs[0, 1:]
+    return {int(i) for i, x in zip(ids, lp) if math.isfinite(float(x)) and int(i) >= 0}
+
+
+def reference_set(logits: torch.Tensor, **params) -> tuple[set[int], bool]:
+    """(kept tokens, fragile) of the float64 reference for one row."""
+    trace = reference.RequestTrace()
+    row = reference.process_row(logits, SamplingParams(**params), trace=trace)
+    return {int(i) for i in np.flatnonzero(np.isfinite(row.z))}, trace.fragile
+
+
+def test_top_k_alone_keeps_k_tokens_far_below_the_max(backend):
+    # The top-k-only row went through the top-p step, whose float32 "mass before" reached 1.0.
+    x = torch.tensor([0.0, -20.0, -20.0, -30.0])
+    assert kept_set(x, top_k=3) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_100_of_111_keeps_exactly_100(backend, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(111, generator=g) * 5
+    kept = kept_set(x, top_k=100)
+    assert len(kept) == 100
+    assert kept == set(torch.argsort(x, descending=True, stable=True)[:100].tolist())
+
+
+def test_top_p_boundary_decided_beyond_float32_resolution(backend):
+    # The two largest tokens carry 0.8000000042 of the mass (float64): token 1 must be cut.
+    x = torch.log(torch.tensor([0.3, 0.1, 0.1, 0.5], dtype=torch.float64)).float()
+    assert kept_set(x, top_p=0.8) == {0, 3}
+    p = SamplingParams(top_p=0.8, logprobs=0, logprobs_mode="processed", seed=0)
+    lp = sample(x[None], SamplingBatch.from_params([p], vocab_size=4),
+                positions=torch.tensor([0])).logprobs
+    assert math.exp(float(lp[0, 0])) == pytest.approx(0.375, rel=1e-5) or (
+        math.exp(float(lp[0, 0])) == pytest.approx(0.625, rel=1e-5))
+
+
+def test_top_p_boundary_never_samples_the_cut_token(backend):
+    # Statistically: the backends emitted token 1 about 11% of the time before the fix.
+    n = 600
+    x = torch.log(torch.tensor([0.3, 0.1, 0.1, 0.5], dtype=torch.float64)).float()
+    batch = SamplingBatch.from_params([SamplingParams(top_p=0.8, seed=s) for s in range(n)],
+                                      vocab_size=4)
+    out = sample(x.expand(n, 4).contiguous(), batch, positions=torch.zeros(n, dtype=torch.int64))
+    counts = torch.bincount(out.token_ids, minlength=4).tolist()
+    assert counts[1] == counts[2] == 0
+    assert 0.3 < counts[0] / n < 0.45  # 0.375 expected; sd 0.02
+
+
+def test_min_p_cut_at_float32_ln_half(backend):
+    # p1 / p0 = exp(float32(ln 0.5)) = 0.4999999990 < 0.5: token 1 is dropped.
+    x = torch.tensor([0.0, math.log(0.5)], dtype=torch.float32)
+    assert kept_set(x, min_p=0.5) == {0}
+    # exactly at the cut (p == min_p * max p) a token is kept
+    assert kept_set(torch.tensor([1.0, 1.0]), min_p=1.0) == {0, 1}
+
+
+def test_top_k_ties_keep_lower_ids(backend):
+    x = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 0.0])
+    assert kept_set(x, top_k=3) == {1, 2, 3}
+
+
+def test_top_p_ties_at_boundary_keep_lower_ids(backend):
+    # four equal tokens of 0.25 each: top_p = 0.5 keeps the two lowest ids.
+    assert kept_set(torch.zeros(4), top_p=0.5) == {0, 1}
+    assert kept_set(torch.zeros(4), top_p=0.5000001) == {0, 1, 2}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), v=st.integers(60, 300),
+       spread=st.sampled_from([8.0, 30.0, 80.0, 1.0]),
+       top_k=st.sampled_from([50, 150, 0, 1, 5, 299, 1000]),
+       top_p=st.sampled_from([1.0, 0.999999, 0.99, 0.9, 0.5, 1e-6]),
+       min_p=st.sampled_from([0.0, 1e-30, 0.01, 0.5]),
+       temperature=st.sampled_from([0.3, 1.0, 1.7]))
+def test_kept_set_matches_reference_with_mass_near_one(seed, v, spread, top_k, top_p, min_p,
+                                                        temperature):
+    # Large spreads put almost all the mass on one token: float32 cumulative sums reach 1.0
+    # long before the tail, which is where the running-sum fault cut tokens.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(v, generator=g) * spread
+    params = dict(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    want, fragile = reference_set(x, **params)
+    if fragile:
+        return
+    for backend in BACKENDS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", backend)
+            assert kept_set(x, **params) == want, backend
