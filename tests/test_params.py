@@ -13,6 +13,8 @@ from specsample import SamplingBatch, SamplingParams
 BAD = [
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
     ("temperature", "1"), ("temperature", True), ("temperature", None),
+    pytest.param("temperature", 10**400, id="temperature-int-beyond-float"),
+    pytest.param("logit_bias", {1: -(10**400)}, id="logit_bias-int-beyond-float"),
     ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("top_k", "3"),
     ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", math.nan),
     ("min_p", -0.01), ("min_p", 1.01), ("min_p", math.inf),
@@ -48,6 +50,58 @@ def test_invalid_value_raises_naming_field(field, value):
 def test_valid_values_accepted(field, value):
     p = SamplingParams(**{field: value})
     assert getattr(p, field) == value
+
+
+NUMPY_GOOD = [
+    ("temperature", "float32", 0.5), ("temperature", "float64", 0.0), ("top_k", "int64", 5),
+    ("top_k", "int32", -1), ("top_p", "float32", 0.75), ("min_p", "float16", 0.25),
+    ("seed", "int64", -3), ("seed", "uint64", 2**64 - 1), ("presence_penalty", "float32", -1.5),
+    ("frequency_penalty", "int64", 2), ("repetition_penalty", "float64", 1.25),
+    ("logprobs", "int64", 3),
+]
+
+
+@pytest.mark.parametrize("field,dtype,value", NUMPY_GOOD)
+def test_numpy_scalars_are_numbers_stored_as_python_numbers(field, dtype, value):
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(**{field: np.dtype(dtype).type(value)})
+    stored = getattr(p, field)
+    assert type(stored) is (int if field in ("top_k", "seed", "logprobs") else float)
+    assert stored == value
+
+
+def test_numpy_logit_bias_keys_and_values():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(logit_bias={np.int64(3): np.float32(1.5), np.int32(7): np.int64(-2), 9: 4})
+    assert p.logit_bias == {3: 1.5, 7: -2.0, 9: 4.0}
+    assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+    batch = SamplingBatch.from_params([p], vocab_size=16)
+    assert batch.bias_ids.tolist() == [3, 7, 9]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", "bool", "temperature must be a real number"),
+    ("top_k", "bool", "top_k must be an int"),
+    ("top_k", "float64", "top_k must be an int"),
+    ("seed", "float32", "seed must be an int"),
+    ("logprobs", "bool", "logprobs must be an int"),
+    ("temperature", "nan", "temperature must be finite"),
+    ("logit_bias_key", "bool", "logit_bias key"),
+    ("logit_bias_value", "bool", "logit_bias value for token 1"),
+    ("logit_bias_value", "nan", "logit_bias value for token 1 must be finite"),
+])
+def test_numpy_non_numbers_still_rejected(field, value, match):
+    np = pytest.importorskip("numpy")
+    scalar = {"bool": np.bool_(True), "float64": np.float64(2.0), "float32": np.float32(2.0),
+              "nan": np.float32("nan")}[value]
+    if field == "logit_bias_key":
+        kwargs = {"logit_bias": {scalar: 1.0}}
+    elif field == "logit_bias_value":
+        kwargs = {"logit_bias": {1: scalar}}
+    else:
+        kwargs = {field: scalar}
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
 
 
 def test_defaults_and_greedy():

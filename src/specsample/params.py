@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,12 +15,56 @@ LOGPROBS_MODES = ("raw", "processed")
 F32_MAX = 3.4028234663852886e38
 
 
+def _as_float(value, name: str) -> float:
+    """``value`` as a float: a finite real number (numpy scalars too; bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond float's range
+        out = math.inf
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _as_int(value, name: str) -> int:
+    """``value`` as an int: an integer (numpy integers too; bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _id_tuple(value, name: str, *, nonempty: bool) -> tuple[int, ...]:
+    """``value`` as a tuple of token ids >= 0 (a sequence of ints; strings are refused)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a sequence of token ids, got {value!r}")
+    ids = []
+    for tok in value:
+        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
+            raise ValueError(f"{name} must hold token ids >= 0, got {tok!r}")
+        ids.append(int(tok))
+    if nonempty and not ids:
+        raise ValueError(f"{name} must not be empty")
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (API.md).
 
-    Processing order applied to a row's raw logits: logit_bias -> penalties (repetition, then
-    frequency, then presence) -> temperature -> min_p -> top_k -> top_p.
+    Processing order applied to a row's raw logits: bans (allowed_token_ids, bad words,
+    min_tokens) -> logit_bias -> penalties (repetition, then frequency, then presence) ->
+    temperature -> min_p -> top_k -> top_p.
+
+    Bans: ``allowed_token_ids`` (None or a non-empty sequence of ids) lets only those tokens be
+    emitted; ``bad_words_token_ids`` (None or a sequence of non-empty id sequences) bans a
+    word's last token at a row whose context (prompt + output tokens + the drafts before that
+    row) ends with the word's other tokens (a one-token word is always banned); while the
+    request has fewer than ``min_tokens`` output tokens (the drafts before the row count), its
+    stop tokens (``stop_token_ids`` and the batch's ``eos_token_ids``) are banned. Ids are
+    checked against the vocabulary in :meth:`SamplingBatch.from_params`; the sequences are
+    stored as tuples.
 
     Raises:
         ValueError: naming the field, for any value outside its valid range.
@@ -36,20 +81,21 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
+        # numpy scalars count as numbers; the frozen fields then hold plain Python int / float.
         def real(name: str) -> float:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a real number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-            return float(value)
+            value = _as_float(getattr(self, name), name)
+            object.__setattr__(self, name, value)
+            return value
 
         def integer(name: str) -> int:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
+            value = _as_int(getattr(self, name), name)
+            object.__setattr__(self, name, value)
             return value
 
         if real("temperature") < 0:
@@ -70,19 +116,33 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ValueError(f"logit_bias must be a mapping, got {type(self.logit_bias)}")
-            for tok, bias in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            bias = {}
+            for tok, val in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
                     raise ValueError(f"logit_bias key must be a token id >= 0, got {tok!r}")
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                    math.isfinite(bias)
-                ):
-                    raise ValueError(f"logit_bias value for token {tok} must be finite, "
-                                     f"got {bias!r}")
+                bias[int(tok)] = _as_float(val, f"logit_bias value for token {tok}")
+            object.__setattr__(self, "logit_bias", bias)
         if self.logprobs is not None and integer("logprobs") < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', "
                              f"got {self.logprobs_mode!r}")
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _id_tuple(
+                self.allowed_token_ids, "allowed_token_ids", nonempty=True))
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if isinstance(words, (str, bytes)) or not isinstance(words, Sequence):
+                raise ValueError(f"bad_words_token_ids must be a sequence of token-id "
+                                 f"sequences, got {words!r}")
+            object.__setattr__(self, "bad_words_token_ids", tuple(
+                _id_tuple(w, f"bad_words_token_ids[{i}]", nonempty=True)
+                for i, w in enumerate(words)))
+        if integer("min_tokens") < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", _id_tuple(
+                self.stop_token_ids, "stop_token_ids", nonempty=False))
 
     @property
     def greedy(self) -> bool:
@@ -137,12 +197,24 @@ class SamplingBatch:
     output_ids: torch.Tensor  # [no] int64
     prompt_req: torch.Tensor  # [np] int64
     prompt_ids: torch.Tensor  # [np] int64
+    num_output: torch.Tensor  # [N] int64 output tokens so far (min_tokens)
+    min_tokens: torch.Tensor  # [N] int64
+    stop_req: torch.Tensor  # [ns] int64: stop tokens (own + eos) of requests below min_tokens
+    stop_ids: torch.Tensor  # [ns] int64
+    allowed_users: tuple[int, ...]  # requests with allowed_token_ids (host)
+    allowed_mask: torch.Tensor  # [len(allowed_users), V] bool, True = may be emitted
+    bad_req: torch.Tensor  # [nw] int64, one entry per bad word
+    bad_prefix: torch.Tensor  # [nw, W] int64 the word's tokens but its last, right-aligned, -1 pad
+    bad_last: torch.Tensor  # [nw] int64 the word's last token (the one banned)
+    context_tail: torch.Tensor  # [N, W] int64 last W tokens of prompt + outputs, -1 padded left
+    eos_token_ids: tuple[int, ...] = ()
     user_seeded: bool = False
     any_greedy: bool = False
     any_sampled: bool = False
     needs_filter: bool = False  # some sampled request uses min_p / top_k / top_p
     needs_penalties: bool = False
     needs_bias: bool = False
+    needs_bans: bool = False  # some request has allowed_token_ids, bad words or min_tokens left
     max_logprobs: int = -1  # -1: nobody asked for logprobs
     any_processed_logprobs: bool = False
 
@@ -152,8 +224,10 @@ class SamplingBatch:
 
     @property
     def needs_general_path(self) -> bool:
-        """True when a processor beyond temperature is active (bias, penalties, filters)."""
-        return self.needs_filter or self.needs_penalties or self.needs_bias
+        """True when a processor that the fused Triton kernels do not apply is active (bans,
+        bias, penalties): the batch then takes the counted general path. Temperature and the
+        filters (min_p, top_k, top_p) are fused."""
+        return self.needs_penalties or self.needs_bias or self.needs_bans
 
     @classmethod
     def from_params(
@@ -164,18 +238,23 @@ class SamplingBatch:
         device: torch.device | str | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Batch ``params`` (one per request) for logits of ``vocab_size`` columns on ``device``.
 
         ``prompt_token_ids`` / ``output_token_ids``: one token-id sequence per request, needed
         only for penalties (presence / frequency count output tokens; repetition counts prompt
-        and output tokens). Requests with ``seed=None`` get a fresh seed drawn from torch's
-        default (CPU) generator here.
+        and output tokens), bad words (the context a word's other tokens must end) and
+        min_tokens (the output count); missing lists count as empty. ``eos_token_ids``: ids
+        shared by every request that join each request's ``stop_token_ids`` (min_tokens bans
+        them). Requests with ``seed=None`` get a fresh seed drawn from torch's default (CPU)
+        generator here.
 
         Raises:
             ValueError: empty ``params``, a non-``SamplingParams`` entry, ``vocab_size < 1``,
-                a logit_bias token id >= vocab_size, or token lists of the wrong length / with
-                ids outside [0, vocab_size).
+                a logit_bias / allowed_token_ids / bad_words_token_ids / stop_token_ids /
+                eos_token_ids id outside [0, vocab_size), or token lists of the wrong length /
+                with ids outside [0, vocab_size).
         """
         params = tuple(params)
         if not params:
@@ -207,6 +286,46 @@ class SamplingBatch:
                 bias_req.append(i)
                 bias_ids.append(tok)
                 bias_val.append(min(max(float(val), -F32_MAX), F32_MAX))
+
+        eos = () if eos_token_ids is None else _id_tuple(eos_token_ids, "eos_token_ids",
+                                                          nonempty=False)
+
+        def check_ids(name: str, ids: Sequence[int]) -> None:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside [0, {vocab_size}): {bad[:5]}")
+
+        check_ids("eos_token_ids", eos)
+        for i, p in enumerate(params):
+            for name in ("allowed_token_ids", "stop_token_ids"):
+                check_ids(f"params[{i}].{name}", getattr(p, name) or ())
+            for w, word in enumerate(p.bad_words_token_ids or ()):
+                check_ids(f"params[{i}].bad_words_token_ids[{w}]", word)
+
+        # Bans. min_tokens: the stop tokens of requests still below their min_tokens (row j
+        # of a request bans them while num_output + j < min_tokens).
+        stop_req, stop_ids = [], []
+        for i, p in enumerate(params):
+            if len(outputs[i]) < p.min_tokens:
+                for tok in dict.fromkeys((*(p.stop_token_ids or ()), *eos)):
+                    stop_req.append(i)
+                    stop_ids.append(tok)
+        allowed_users = tuple(i for i, p in enumerate(params) if p.allowed_token_ids is not None)
+        allowed_mask = torch.zeros(len(allowed_users), vocab_size, dtype=torch.bool)
+        for slot, i in enumerate(allowed_users):
+            allowed_mask[slot, list(params[i].allowed_token_ids)] = True
+        words = [(i, word) for i, p in enumerate(params) for word in p.bad_words_token_ids or ()]
+        width = max((len(word) - 1 for _, word in words), default=0)
+        bad_prefix = torch.full((len(words), width), -1, dtype=torch.int64)
+        tail = torch.full((n, width), -1, dtype=torch.int64)
+        for w, (i, word) in enumerate(words):
+            if len(word) > 1:
+                bad_prefix[w, width - len(word) + 1:] = torch.tensor(word[:-1])
+        if width:
+            for i in {i for i, _ in words}:
+                context = (prompts[i] + outputs[i])[-width:]
+                if context:
+                    tail[i, width - len(context):] = torch.tensor(context)
 
         penal = [p.presence_penalty != 0 or p.frequency_penalty != 0
                  or p.repetition_penalty != 1 for p in params]
@@ -261,6 +380,17 @@ class SamplingBatch:
             output_ids=i64(out_ids),
             prompt_req=i64(pr_req),
             prompt_ids=i64(pr_ids),
+            num_output=i64([len(seq) for seq in outputs]),
+            min_tokens=i64([p.min_tokens for p in params]),
+            stop_req=i64(stop_req),
+            stop_ids=i64(stop_ids),
+            allowed_users=allowed_users,
+            allowed_mask=allowed_mask.to(device),
+            bad_req=i64([i for i, _ in words]),
+            bad_prefix=bad_prefix.to(device),
+            bad_last=i64([word[-1] for _, word in words]),
+            context_tail=tail.to(device),
+            eos_token_ids=eos,
             user_seeded=any(p.seed is not None for p in params),
             any_greedy=not all(sampled),
             any_sampled=any(sampled),
@@ -268,6 +398,7 @@ class SamplingBatch:
                              for s, k, p in zip(sampled, top_k, params)),
             needs_penalties=any(penal),
             needs_bias=bool(bias_req),
+            needs_bans=bool(stop_req or allowed_users or words),
             max_logprobs=max(-1 if p.logprobs is None else p.logprobs for p in params),
             any_processed_logprobs=any(p.logprobs is not None and p.logprobs_mode == "processed"
                                        for p in params),
