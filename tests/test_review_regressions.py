@@ -121,3 +121,48 @@ def test_numpy_integer_num_draft_tokens_and_negative_positions():
     assert out.token_ids.shape == (1, 3)
     with pytest.raises(ValueError, match="positions must be >= 0"):
         specsample.verify(logits, [1, 2], [2], batch, positions=[-1])
+
+
+def test_sample_and_verify_want_a_sampling_batch():
+    # A list of SamplingParams raised AttributeError ('list' object has no attribute
+    # 'num_requests') from sample(); the error must name `batch` and say how to build one.
+    params = [SamplingParams(temperature=0.0)]
+    with pytest.raises(ValueError, match=r"batch must be a SamplingBatch, got list; "
+                                         r"build it with SamplingBatch\.from_params"):
+        sample(torch.randn(1, V), params)
+    with pytest.raises(ValueError, match=r"SamplingBatch\.from_params"):
+        verify(torch.randn(1, V), [], [0], params)
+
+
+@pytest.mark.parametrize("shape", [(3, V), (V,), (1, 2, V)])
+def test_sample_shape_error_speaks_of_logits(shape):
+    # sample() with the wrong row count reported target_logits and N + sum k (verify's terms).
+    batch = _batch([SamplingParams(seed=1), SamplingParams(seed=2)])
+    with pytest.raises(ValueError, match=r"^logits must be a 2-D tensor \[N, V\] with one row "
+                                         r"per request \(N = 2 rows\), got shape \(") as e:
+        sample(torch.randn(*shape), batch, positions=torch.tensor([0, 0]))
+    assert "target_logits" not in str(e.value) and "sum k" not in str(e.value)
+
+
+def test_penalty_overflow_is_not_reported_as_a_bad_raw_logit(monkeypatch):
+    # A repetition penalty that overflows a finite logit (5 / 2**-126 > float32 max) was
+    # reported as a "NaN or +inf target logit" although the raw logits were all finite.
+    # (Torch backend; the Triton general path keeps its own error bits.)
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+    x = torch.zeros(2, V)
+    x[:, 3] = 5.0
+    params = [SamplingParams(seed=1, repetition_penalty=1e-38), SamplingParams(seed=2)]
+    batch = _batch(params, prompt_token_ids=[[3], [3]])
+    out = sample(x, batch, positions=torch.tensor([0, 0]), strict=False)
+    assert out.invalid.tolist() == [True, False]
+    with pytest.raises(specsample.SamplingError) as e:
+        sample(x, batch, positions=torch.tensor([0, 0]))
+    assert e.value.requests == [0]
+    message = str(e.value)
+    assert "logit_bias or penalties pushed a logit to NaN / +inf" in message
+    assert "raw logits were finite" in message
+    assert "target logit" not in message and "target row" not in message
+    from specsample import torch_backend
+
+    assert torch_backend.ERR_PROCESSED_OVERFLOW == 16
+    assert torch_backend.ERR_PROCESSED_OVERFLOW in torch_backend.ERROR_NAMES

@@ -68,7 +68,8 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     if backend == "triton":
         from . import triton_backend
 
-        kind = "general" if batch.needs_general_path else "fused"
+        kind = ("general" if batch.needs_general_path else
+                "filtered" if batch.needs_filter else "fused")
         paths.record(f"triton.{op}.{kind}", plan.num_rows)
         out, err = triton_backend.run(plan, op)
     else:
@@ -87,6 +88,12 @@ def _raise_if_invalid(err: torch.Tensor) -> None:
         codes = err.tolist()
         raise SamplingError([i for i, c in enumerate(codes) if c],
                             torch_backend.describe_errors(codes))
+
+
+def _check_batch(batch) -> None:
+    if not isinstance(batch, SamplingBatch):
+        raise ValueError(f"batch must be a SamplingBatch, got {type(batch).__name__}; build it "
+                         "with SamplingBatch.from_params(params, vocab_size=V, device=...)")
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
@@ -111,11 +118,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
     from softmax(z / T) (Gumbel 1954; see docs/semantics.md).
 
     Raises:
-        ValueError: invalid shapes, dtypes, devices, or missing positions with user seeds.
-        SamplingError: with strict=True, NaN / +inf logits or a row with no finite logit.
+        ValueError: ``batch`` is not a SamplingBatch, ``logits`` is not [N, V], invalid
+            dtypes or devices, or missing positions with user seeds.
+        SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit, or
+            logit_bias / penalties that overflow a finite logit.
     """
+    _check_batch(batch)
+    n = batch.num_requests
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
+        got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"logits must be a 2-D tensor [N, V] with one row per request "
+                         f"(N = {n} rows), got {got}")
     plan = build_plan(logits, batch, draft_token_ids=None,
-                      num_draft_tokens=[0] * batch.num_requests, draft_logits=None,
+                      num_draft_tokens=[0] * n, draft_logits=None,
                       draft_probs=None, positions=positions, method="token")
     out, err = _run(plan, "sample")
     if strict:
@@ -172,6 +188,7 @@ def verify(
         SamplingError: with strict=True, invalid data (NaN / +inf logits, a row with no finite
             logit, a draft id outside [0, V) other than -1, an invalid draft row).
     """
+    _check_batch(batch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                       num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
                       draft_probs=draft_probs, positions=positions, method=method)

@@ -7,8 +7,9 @@ class SamplingError(RuntimeError):
     """Input data of some requests was invalid (API.md guarantee 5), raised with ``strict=True``.
 
     ``requests`` lists the batch indices of the invalid requests; the message names them and
-    says what is wrong (NaN / +inf logits, a row with no finite logit, a draft id outside
-    [0, V) other than the -1 placeholder, an invalid draft distribution row).
+    says what is wrong (NaN / +inf logits, a row with no finite logit, logit_bias or penalties
+    that overflowed finite logits, a draft id outside [0, V) other than the -1 placeholder, an
+    invalid draft distribution row).
     """
 
     def __init__(self, requests: list[int], detail: str = "") -> None:

@@ -18,18 +18,23 @@ import torch
 from . import rng
 from .outputs import VerifyOutput
 from .plan import Plan
-from .processing import process_rows
+from .processing import process_rows, rows_emptied_by_bans
 
 ERR_LOGITS_NAN = 1  # a NaN or +inf target logit
 ERR_LOGITS_NO_FINITE = 2  # a target row with no finite logit
 ERR_DRAFT_ID = 4  # a draft id outside [0, V) that is not the -1 placeholder
 ERR_DRAFT_ROW = 8  # a draft_logits / draft_probs row that is not a valid distribution
+ERR_PROCESSED_OVERFLOW = 16  # finite raw logits that logit_bias / penalties made NaN / inf
+ERR_BANS = 32  # a live row whose bans (allowed_token_ids, bad words, min_tokens) leave no token
 
 ERROR_NAMES = {
     ERR_LOGITS_NAN: "NaN or +inf target logit",
     ERR_LOGITS_NO_FINITE: "target row with no finite logit",
     ERR_DRAFT_ID: "draft id outside [0, V) (not the -1 placeholder)",
     ERR_DRAFT_ROW: "invalid draft_logits / draft_probs row",
+    ERR_PROCESSED_OVERFLOW: "logit_bias or penalties pushed a logit to NaN / +inf or left no "
+                            "finite logit (raw logits were finite)",
+    ERR_BANS: "bans leave no token (allowed_token_ids, bad_words_token_ids, min_tokens)",
 }
 
 
@@ -162,12 +167,7 @@ def _grid(plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     j = torch.arange(k1, device=plan.logits.device)
     rows = (plan.row_start[:, None] + j).clamp_max(plan.num_rows - 1)
     didx = (plan.draft_start[:, None] + j[:-1]).clamp(0, max(plan.draft_token_ids.numel() - 1, 0))
-    if plan.draft_token_ids.numel():
-        d = plan.draft_token_ids[didx]
-    else:
-        d = torch.full(didx.shape, -1, dtype=torch.int64, device=didx.device)
-    d = torch.where(j[None, :-1] < plan.k_eff[:, None], d, torch.full_like(d, -1))
-    return rows, d, didx
+    return rows, plan.draft_grid, didx
 
 
 def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor,
@@ -266,16 +266,18 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
+    if batch.needs_bans:
+        live = plan.row_live & ~invalid[plan.row_req]
+        err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
+        invalid = err != 0
     z = process_rows(plan, row_max=row_max)
     if batch.needs_bias or batch.needs_penalties:
         # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
         # processed logits hold NaN / +inf or nothing finite, as the Triton general path does.
         zmax = z.amax(dim=-1)
         live = plan.row_live & ~invalid[plan.row_req]
-        err |= _or_per_request((torch.isnan(zmax) | torch.isposinf(zmax)) & live,
-                               plan.row_req, n, ERR_LOGITS_NAN)
-        err |= _or_per_request(torch.isneginf(zmax) & live, plan.row_req, n,
-                               ERR_LOGITS_NO_FINITE)
+        err |= _or_per_request(~torch.isfinite(zmax) & live, plan.row_req, n,
+                               ERR_PROCESSED_OVERFLOW)
         invalid = err != 0
     tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
