@@ -318,7 +318,7 @@ class SamplingBatch:
         width = max((len(word) - 1 for _, word in words), default=0)
         bad_prefix = torch.full((len(words), width), -1, dtype=torch.int64)
         tail = torch.full((n, width), -1, dtype=torch.int64)
-        for w, (i, word) in enumerate(words):
+        for w, (_, word) in enumerate(words):
             if len(word) > 1:
                 bad_prefix[w, width - len(word) + 1:] = torch.tensor(word[:-1])
         if width:

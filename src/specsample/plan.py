@@ -52,6 +52,18 @@ class Plan:
         return self.k_given.scatter_reduce(0, self.draft_req, first, reduce="amin",
                                            include_self=True)
 
+    @functools.cached_property
+    def draft_grid(self) -> torch.Tensor:
+        """[N, K] int64: request i's live drafts d_0..d_{k_eff-1}, then -1 (placeholders, pad)."""
+        k = self.max_k
+        j = torch.arange(k, device=self.logits.device)
+        if not self.draft_token_ids.numel():
+            return torch.full((self.num_requests, k), -1, dtype=torch.int64,
+                              device=self.logits.device)
+        idx = (self.draft_start[:, None] + j).clamp_max(self.draft_token_ids.numel() - 1)
+        d = self.draft_token_ids[idx]
+        return torch.where(j < self.k_eff[:, None], d, torch.full_like(d, -1))
+
     @property
     def vocab_size(self) -> int:
         return self.logits.shape[1]

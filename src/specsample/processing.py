@@ -1,8 +1,9 @@
 """Logit processors in PyTorch (float32): the general path shared by every backend.
 
 ``process_rows`` turns raw logits rows into the processed logits ``z'`` of docs/semantics.md:
-logit_bias -> penalties -> temperature (after subtracting the row maximum) -> min_p -> top_k ->
-top_p, the filters decided exactly on the float32 values (``filter_drop``). The Triton
+bans (allowed_token_ids, bad words, min_tokens) -> logit_bias -> penalties -> temperature (after
+subtracting the row maximum) -> min_p -> top_k -> top_p, the filters decided exactly on the
+float32 values (``filter_drop``). The Triton
 backend's general path materialises this float32 tensor and then runs its kernels on it (a
 named, counted fallback); the fused path applies temperature inside the kernel.
 """
@@ -31,6 +32,93 @@ def _output_counts(plan: Plan) -> torch.Tensor:
         counts.index_put_((rows, toks), torch.ones_like(rows, dtype=torch.float32),
                           accumulate=True)
     return counts
+
+
+def outputs_before_row(plan: Plan, req: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Output tokens that min_tokens counts at row ``j`` of request ``req`` (broadcast int64):
+    the request's outputs plus its drafts 0..j-1 (a live row has no placeholder before it)."""
+    return plan.batch.num_output[req] + j
+
+
+def ban_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs [M] int64 that bad words and min_tokens ban (duplicates allowed).
+
+    Bad word ``(w_1 .. w_L)`` of request i bans ``w_L`` at row j when the context before row j
+    (the batch's ``context_tail`` of prompt + outputs, then drafts 0..j-1) ends with
+    ``w_1 .. w_{L-1}``; a stop token of request i is banned at row j while
+    :func:`outputs_before_row` is below its min_tokens. Rows j <= k_i of every request are
+    covered (rows past a placeholder too: nobody reads them).
+    """
+    batch = plan.batch
+    dev = plan.logits.device
+    j = torch.arange(plan.max_k + 1, device=dev)
+    rows, toks = [], []
+    if batch.bad_req.numel():
+        req = batch.bad_req
+        width = batch.bad_prefix.shape[1]
+        prefix = batch.bad_prefix[:, None, :]  # [nw, 1, W]
+        if width:
+            seq = torch.cat([batch.context_tail, plan.draft_grid], dim=1)[req]  # [nw, W + K]
+            tails = seq[:, j[:, None] + torch.arange(width, device=dev)]  # [nw, K + 1, W]
+            match = ((tails == prefix) | (prefix < 0)).all(-1)
+        else:
+            match = torch.ones(req.shape[0], j.shape[0], dtype=torch.bool, device=dev)
+        ok = match & (j <= plan.k_given[req][:, None])
+        rows.append((plan.row_start[req][:, None] + j)[ok])
+        toks.append(batch.bad_last[:, None].expand_as(ok)[ok])
+    if batch.stop_req.numel():
+        req = batch.stop_req
+        ok = (outputs_before_row(plan, req[:, None], j) < batch.min_tokens[req][:, None]) & (
+            j <= plan.k_given[req][:, None])
+        rows.append((plan.row_start[req][:, None] + j)[ok])
+        toks.append(batch.stop_ids[:, None].expand_as(ok)[ok])
+    if not rows:
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty
+    return torch.cat(rows), torch.cat(toks)
+
+
+def _allowed_rows(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R], their request's slot in ``batch.allowed_mask`` [R]) of the requests that
+    have allowed_token_ids, from the host-side layout (no device read)."""
+    starts = [0]
+    for k in plan.num_draft:
+        starts.append(starts[-1] + k + 1)
+    rows, slots = [], []
+    for slot, i in enumerate(plan.batch.allowed_users):
+        rows += range(starts[i], starts[i + 1])
+        slots += [slot] * (starts[i + 1] - starts[i])
+    dev = plan.logits.device
+    return (torch.tensor(rows, dtype=torch.int64, device=dev),
+            torch.tensor(slots, dtype=torch.int64, device=dev))
+
+
+def apply_bans(y: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """In place on float32 ``y`` [T, V]: -inf at every banned token (allowed_token_ids, bad
+    words, min_tokens); a no-op unless ``batch.needs_bans``."""
+    batch = plan.batch
+    if not batch.needs_bans:
+        return y
+    if batch.allowed_users:
+        rows, slots = _allowed_rows(plan)
+        y[rows] = y[rows].masked_fill(~batch.allowed_mask[slots], -math.inf)
+    rows, toks = ban_pairs(plan)
+    if rows.numel():
+        y[rows, toks] = -math.inf
+    return y
+
+
+def rows_emptied_by_bans(plan: Plan) -> torch.Tensor:
+    """[T] bool: rows whose bans leave no finite logit (such a request is invalid).
+
+    The rows must be sanitised as for :func:`process_rows` (no NaN / +inf; every row of a
+    valid request has a finite logit). Costs one float32 copy of the rows; all False without
+    bans.
+    """
+    if not plan.batch.needs_bans:
+        return torch.zeros(plan.num_rows, dtype=torch.bool, device=plan.logits.device)
+    y = plan.logits.to(torch.float32, copy=True)
+    return torch.isneginf(apply_bans(y, plan).amax(-1))
 
 
 def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -122,17 +210,20 @@ def process_rows(plan: Plan, *, filters: bool = True,
     """The processed float32 logits ``z'`` [T, V] of every row of ``plan`` (semantics.md §2).
 
     ``z' = (y - max y) / T`` (greedy rows: T = 1; the max maps to exactly 0) where ``y`` is the
-    raw row after logit bias and penalties, then -inf where a filter drops the token
-    (:func:`filter_drop`). Rows of invalid requests must have been sanitised by the caller.
-    ``row_max``: [T] max of the raw rows if the caller has it; without logit bias or
-    penalties ``y`` is then the raw logits themselves (no float32 copy before the subtraction).
+    raw row after bans (-inf), logit bias and penalties, then -inf where a filter drops the
+    token (:func:`filter_drop`). A row whose bans leave nothing is all -inf. Rows of invalid
+    requests must have been sanitised by the caller. ``row_max``: [T] max of the raw rows if
+    the caller has it; without bans, logit bias or penalties ``y`` is then the raw logits
+    themselves (no float32 copy before the subtraction).
     """
     batch: SamplingBatch = plan.batch
-    if row_max is not None and not (batch.needs_bias or batch.needs_penalties):
+    if row_max is not None and not (batch.needs_bias or batch.needs_penalties
+                                    or batch.needs_bans):
         y, m = plan.logits, row_max.float()
     else:
         y = plan.logits.float().clone() if plan.logits.dtype == torch.float32 else (
             plan.logits.float())
+        apply_bans(y, plan)
         apply_bias_and_penalties(y, plan)
         m = y.amax(dim=-1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf

@@ -66,6 +66,7 @@ from .rng import (
 
 __all__ = [
     "REL_TOL",
+    "banned_tokens",
     "ProcessedRow",
     "RequestTrace",
     "exact_multistep_law",
@@ -180,18 +181,49 @@ def _logsumexp(z: np.ndarray) -> float:
     return float(m + math.log(np.sum(np.exp(z - m))))
 
 
+def banned_tokens(params: SamplingParams, vocab: int, *, context_token_ids: Sequence[int] = (),
+                  num_output_tokens: int = 0, eos_token_ids: Sequence[int] = ()) -> np.ndarray:
+    """[V] bool: the tokens a row bans (docs/semantics.md, "Bans").
+
+    ``context_token_ids``: the tokens before the row (prompt + outputs + drafts before it; only
+    its end matters, for bad words); ``num_output_tokens``: outputs + drafts before the row
+    (min_tokens); ``eos_token_ids``: the batch's ids that join the request's stop tokens.
+    """
+    banned = np.zeros(vocab, dtype=bool)
+    if params.allowed_token_ids is not None:
+        banned[:] = True
+        banned[list(params.allowed_token_ids)] = False
+    context = tuple(context_token_ids)
+    for word in params.bad_words_token_ids or ():
+        prefix = tuple(word[:-1])
+        if not prefix or context[len(context) - len(prefix):] == prefix:
+            banned[word[-1]] = True
+    if num_output_tokens < params.min_tokens:
+        banned[list(params.stop_token_ids or ()) + list(eos_token_ids)] = True
+    return banned
+
+
 def process_row(raw, params: SamplingParams, *, prompt_token_ids: Sequence[int] = (),
-                output_token_ids: Sequence[int] = (), trace: RequestTrace | None = None
-                ) -> ProcessedRow:
-    """The processed logits of one raw row (docs/semantics.md steps 1-5), in float64.
+                output_token_ids: Sequence[int] = (), trace: RequestTrace | None = None,
+                context_token_ids: Sequence[int] = (), num_output_tokens: int = 0,
+                eos_token_ids: Sequence[int] = ()) -> ProcessedRow:
+    """The processed logits of one raw row (docs/semantics.md steps 0-5), in float64.
 
     ``output_token_ids``: every token counted by the penalties of this row: the request's
     output tokens followed by its drafts before this row. ``prompt_token_ids``: the prompt
-    (repetition penalty only). The row must be valid (some finite logit, no NaN / +inf).
+    (repetition penalty only). ``context_token_ids``, ``num_output_tokens``,
+    ``eos_token_ids``: what the bans need (:func:`banned_tokens`). The row must be valid
+    (some finite logit, no NaN / +inf); if the bans leave no finite logit the result is all
+    -inf with ``lse = -inf`` (the request is invalid).
     """
     x = _as_f64(raw)
     v = x.shape[0]
     z = x.copy()
+    # 0. bans: -inf before anything else.
+    z[banned_tokens(params, v, context_token_ids=context_token_ids,
+                    num_output_tokens=num_output_tokens, eos_token_ids=eos_token_ids)] = -math.inf
+    if not np.any(np.isfinite(z)):
+        return ProcessedRow(z=np.full(v, -math.inf), lse=-math.inf, err=0.0)
     # 1. logit_bias: a sparse add on the raw logits.
     for tok, bias in (params.logit_bias or {}).items():
         z[tok] += bias
@@ -262,15 +294,18 @@ def process_row(raw, params: SamplingParams, *, prompt_token_ids: Sequence[int] 
 
 
 def processed_probs(raw, params: SamplingParams, *, prompt_token_ids: Sequence[int] = (),
-                    output_token_ids: Sequence[int] = ()) -> np.ndarray:
+                    output_token_ids: Sequence[int] = (), context_token_ids: Sequence[int] = (),
+                    num_output_tokens: int = 0, eos_token_ids: Sequence[int] = ()
+                    ) -> np.ndarray:
     """The processed target distribution of one row, float64 numpy ``[V]``.
 
     For greedy params (temperature 0) this is softmax of the biased, penalised logits at
     temperature 1 (what "processed" logprobs report); the greedy *law* is the point mass at
-    its argmax (see :func:`exact_target_law`).
+    its argmax (see :func:`exact_target_law`). Arguments as in :func:`process_row`.
     """
     return process_row(raw, params, prompt_token_ids=prompt_token_ids,
-                       output_token_ids=output_token_ids).probs
+                       output_token_ids=output_token_ids, context_token_ids=context_token_ids,
+                       num_output_tokens=num_output_tokens, eos_token_ids=eos_token_ids).probs
 
 
 # --------------------------------------------------------------------------------------------
@@ -628,6 +663,8 @@ def verify(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
     seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
     prompts = _per_request_tokens(batch.prompt_req, batch.prompt_ids, n)
     outputs = _per_request_tokens(batch.output_req, batch.output_ids, n)
+    tails = [[t for t in row if t >= 0] for row in batch.context_tail.tolist()]
+    num_outputs = batch.num_output.tolist()
 
     kmax = max(ks) if ks else 0
     nlp = batch.max_logprobs
@@ -655,8 +692,14 @@ def verify(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
             invalid[i] = True
             continue
         rows = [process_row(raws[j], params, prompt_token_ids=prompts[i],
-                            output_token_ids=outputs[i] + live[:j], trace=trace)
+                            output_token_ids=outputs[i] + live[:j], trace=trace,
+                            context_token_ids=tails[i] + live[:j],
+                            num_output_tokens=num_outputs[i] + j,
+                            eos_token_ids=batch.eos_token_ids)
                 for j in range(k_eff + 1)]
+        if any(not math.isfinite(r.lse) for r in rows):  # bans leave no token
+            invalid[i] = True
+            continue
         qs = None
         if dist is not None:
             qs = [_draft_q(dist[d0_i + j], kind, params, v) for j in range(k_eff)]
@@ -701,10 +744,14 @@ DraftFn = Callable[[tuple], object]
 
 
 def _target_law_row(target_fn: TargetFn, ctx: tuple, params: SamplingParams,
-                    prompt: Sequence[int], cache: dict) -> tuple[ProcessedRow, np.ndarray]:
-    """Processed row at output context ``ctx`` and the law of the emitted token there."""
+                    prompt: Sequence[int], cache: dict, eos: Sequence[int] = ()
+                    ) -> tuple[ProcessedRow, np.ndarray]:
+    """Processed row at output context ``ctx`` and the law of the emitted token there (bans
+    see the context ``prompt + ctx`` and ``len(ctx)`` output tokens)."""
     if ctx not in cache:
-        row = process_row(target_fn(ctx), params, prompt_token_ids=prompt, output_token_ids=ctx)
+        row = process_row(target_fn(ctx), params, prompt_token_ids=prompt, output_token_ids=ctx,
+                          context_token_ids=tuple(prompt) + ctx, num_output_tokens=len(ctx),
+                          eos_token_ids=eos)
         if params.greedy:
             law = np.zeros(row.z.shape[0])
             law[int(np.argmax(row.z))] = 1.0
@@ -715,14 +762,16 @@ def _target_law_row(target_fn: TargetFn, ctx: tuple, params: SamplingParams,
 
 
 def exact_target_law(target_fn: TargetFn, params: SamplingParams, length: int, *,
-                     context: tuple = (), prompt_token_ids: Sequence[int] = ()
-                     ) -> dict[tuple, float]:
+                     context: tuple = (), prompt_token_ids: Sequence[int] = (),
+                     eos_token_ids: Sequence[int] = ()) -> dict[tuple, float]:
     """Exact law of the next ``length`` tokens sampled token by token from the target.
 
     ``target_fn(ctx)``: raw target logits ``[V]`` of the next token after the output tokens
     ``ctx`` (a tuple: ``context`` followed by the tokens generated so far). The law of each
     token is the processed distribution (point mass at the argmax for temperature 0), with
-    penalties counting ``ctx`` as the output tokens. Returns {token tuple: probability}.
+    penalties counting ``ctx`` as the output tokens and bans seeing ``prompt_token_ids + ctx``
+    (``len(ctx)`` output tokens for min_tokens; ``eos_token_ids`` join the stop tokens).
+    Returns {token tuple: probability}.
     """
     cache: dict = {}
     law: dict[tuple, float] = {}
@@ -731,7 +780,7 @@ def exact_target_law(target_fn: TargetFn, params: SamplingParams, length: int, *
         if len(emitted) == length:
             law[emitted] = law.get(emitted, 0.0) + prob
             return
-        _, pl = _target_law_row(target_fn, ctx, params, prompt_token_ids, cache)
+        _, pl = _target_law_row(target_fn, ctx, params, prompt_token_ids, cache, eos_token_ids)
         for x in np.flatnonzero(pl > 0):
             rec(ctx + (int(x),), emitted + (int(x),), prob * float(pl[x]))
 
@@ -824,11 +873,13 @@ def _step_given_drafts(rows: list[np.ndarray], laws: list[np.ndarray], drafts: t
 
 def exact_step_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: SamplingParams,
                    method: str = "token", draft_kind: str = "onehot", *, context: tuple = (),
-                   prompt_token_ids: Sequence[int] = ()) -> dict[tuple, float]:
+                   prompt_token_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()
+                   ) -> dict[tuple, float]:
     """Exact law of what one verification step with ``k`` drafts emits.
 
     ``target_fn(ctx)`` gives the raw target logits of the token after output context ``ctx``
-    (``context`` + drafts so far); penalties count ``ctx`` as output tokens. ``draft_fn(ctx)``
+    (``context`` + drafts so far); penalties and bans see ``ctx`` as output tokens (as in
+    :func:`exact_target_law`, with ``eos_token_ids``). ``draft_fn(ctx)``
     describes the drafter at that context, by ``draft_kind``:
 
     * ``"onehot"``: the law of the one-hot drafter's proposal: an int (a deterministic drafter
@@ -855,7 +906,7 @@ def exact_step_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: Sampl
             rows, laws = [], []
             for j in range(k + 1):
                 row, pl = _target_law_row(target_fn, context + drafts[:j], params,
-                                          prompt_token_ids, cache)
+                                          prompt_token_ids, cache, eos_token_ids)
                 rows.append(row.probs)
                 laws.append(pl)
             qs_or_none = None if draft_kind == "onehot" else qs
@@ -863,7 +914,8 @@ def exact_step_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: Sampl
                                                method).items():
                 law[toks] = law.get(toks, 0.0) + prob * pr
             return
-        row, _ = _target_law_row(target_fn, context + drafts, params, prompt_token_ids, cache)
+        row, _ = _target_law_row(target_fn, context + drafts, params, prompt_token_ids, cache,
+                                 eos_token_ids)
         dlaw, q = _drafter(draft_fn, context + drafts, draft_kind, params, row.z.shape[0])
         for x in np.flatnonzero(dlaw > 0):
             rec(drafts + (int(x),), prob * float(dlaw[x]), qs + [q])
@@ -874,7 +926,8 @@ def exact_step_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: Sampl
 
 def exact_multistep_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: SamplingParams,
                         method: str, draft_kind: str, length: int, *, context: tuple = (),
-                        prompt_token_ids: Sequence[int] = ()) -> dict[tuple, float]:
+                        prompt_token_ids: Sequence[int] = (),
+                        eos_token_ids: Sequence[int] = ()) -> dict[tuple, float]:
     """Exact law of the first ``length`` tokens when generating by repeated verification steps.
 
     Composes :func:`exact_step_law`: each step starts after the tokens emitted so far; tokens
@@ -889,7 +942,7 @@ def exact_multistep_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: 
             return memo[key]
         out: dict[tuple, float] = {}
         step = exact_step_law(target_fn, draft_fn, k, params, method, draft_kind, context=ctx,
-                              prompt_token_ids=prompt_token_ids)
+                              prompt_token_ids=prompt_token_ids, eos_token_ids=eos_token_ids)
         for toks, pr in step.items():
             if len(toks) >= remaining:
                 t = toks[:remaining]
