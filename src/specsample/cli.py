@@ -62,9 +62,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["float32", "float64", "bfloat16", "float16"],
                    help="model dtype (float32; float64 makes the 1-token and k+1-token forwards "
                         "agree exactly on CPU)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy "
-                        "machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: with more, a small model on a machine "
+                        "whose cores are busy with other work ran up to 10x slower)")
     p.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as plain text, without the chat template")
     g = p.add_argument_group("sampling")
@@ -101,9 +101,47 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the short untimed warm-up generation")
 
 
-def _validate_generate_args(args: argparse.Namespace) -> None:
+#: ``SamplingParams`` fields set from the command line, by option name.
+SAMPLING_OPTIONS = {"--temperature": "temperature", "--top-k": "top_k", "--top-p": "top_p",
+                    "--min-p": "min_p"}
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise CLIError(f"cannot read --prompt-file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise CLIError(f"cannot read --prompt-file {path}: {exc.strerror or exc}") from None
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    """The requests' common SamplingParams; errors name the command-line option."""
+    from .params import SamplingParams
+
+    values = {field: getattr(args, field) for field in SAMPLING_OPTIONS.values()}
+    for option, field in SAMPLING_OPTIONS.items():
+        try:
+            SamplingParams(**{field: values[field]})
+        except ValueError as exc:
+            message = str(exc)
+            raise CLIError(option + message.removeprefix(field) if message.startswith(field)
+                           else f"{option}: {message}") from None
+    return SamplingParams(**values)
+
+
+def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
+    """Check every option of ``generate`` before anything slow runs (the model load takes tens
+    of seconds); returns the prompt texts and the common SamplingParams.
+
+    Raises:
+        CLIError: naming the option, for a value out of range, a bad combination, an
+            unreadable prompt file, or a missing --model / --draft-model (or default package).
+    """
     from .engine.drafters import DRAFTERS
     from .engine.generate import METHODS
+    from .engine.models import ModelNotFoundError, resolve_model_path
 
     if args.drafter not in DRAFTERS:
         raise CLIError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTERS)}")
@@ -113,13 +151,32 @@ def _validate_generate_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
+    if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if args.ngram_min < 1:
+        raise CLIError(f"--ngram-min must be >= 1, got {args.ngram_min}")
+    if args.ngram_max < args.ngram_min:
+        raise CLIError(f"--ngram-max must be >= --ngram-min, got --ngram-max {args.ngram_max} "
+                       f"and --ngram-min {args.ngram_min}")
     if args.drafter == "model" and args.draft_model is None:
         raise CLIError("--drafter model needs --draft-model PATH (a .gguf file, a transformers "
                        "directory, or 'default')")
+    if args.draft_model is not None and args.drafter != "model":
+        raise CLIError(f"--draft-model is only used with --drafter model, not --drafter "
+                       f"{args.drafter}")
     if not args.prompt and not args.prompt_file:
         raise CLIError("give at least one --prompt TEXT (or --prompt-file PATH)")
+    base = _sampling_params(args)
+    texts = list(args.prompt) + [_read_prompt_file(path) for path in args.prompt_file]
+    if args.no_chat and not all(texts):
+        raise CLIError("an empty prompt has no tokens without the chat template (--no-chat)")
+    for option, spec in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if spec is not None:
+            try:
+                resolve_model_path(spec)
+            except ModelNotFoundError as exc:
+                raise CLIError(f"{option}: {exc}") from None
+    return texts, base
 
 
 def _quiet_transformers() -> None:
@@ -157,66 +214,78 @@ class _Streamer:
 
 
 def _run_engine(engine: Any, prompts: list[list[int]], params: list[Any], max_new_tokens: int,
-                *, label: str, stream: Any = None, progress: bool = False) -> Any:
-    if stream is not None or not progress:
-        return engine.generate(prompts, params, max_new_tokens=max_new_tokens, on_tokens=stream)
-    from rich.console import Console
+                *, label: str, console: Any, stream: Any = None) -> tuple[Any, bool]:
+    """Run one generation with live output: ``stream`` (the text of a single request) or a
+    transient progress bar of tokens on ``console`` (stderr). Returns ``(result, interrupted)``;
+    after Ctrl-C the result holds what was generated so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(label, total=max_new_tokens * len(prompts))
+    from .engine import GenerationInterrupted
 
-        def on_tokens(index: int, new_ids: list[int]) -> None:
-            bar.advance(task, len(new_ids))
+    try:
+        if stream is not None:
+            return engine.generate(prompts, params, max_new_tokens=max_new_tokens,
+                                   on_tokens=stream), False
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task(label, total=max_new_tokens * len(prompts))
 
-        return engine.generate(prompts, params, max_new_tokens=max_new_tokens,
-                               on_tokens=on_tokens)
+            def on_tokens(index: int, new_ids: list[int]) -> None:
+                bar.advance(task, len(new_ids))
+
+            return engine.generate(prompts, params, max_new_tokens=max_new_tokens,
+                                   on_tokens=on_tokens), False
+    except GenerationInterrupted as exc:
+        return exc.result, True
+
+
+def _load(spec: str, console: Any, *, what: str, dtype: str, load_tokenizer: bool = True) -> Any:
+    """Load a model with a spinner on ``console`` (stderr) and report the time it took."""
+    import time
+
+    from .engine import load_model
+
+    t0 = time.perf_counter()
+    if not console.is_terminal:
+        console.print(f"loading {what} {spec} ...")
+    # transformers' GGUF loader draws a tqdm bar on stderr that no setting turns off, so
+    # stderr is hidden during the load; the spinner writes to the console's own file.
+    with console.status(f"loading {what} {spec} ..."), \
+            contextlib.redirect_stderr(io.StringIO()):
+        model = load_model(spec, dtype=dtype, load_tokenizer=load_tokenizer)
+    console.print(f"loaded {what} {model.name} in {time.perf_counter() - t0:.1f} s",
+                  highlight=False)
+    return model
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """``specsample generate``: speculative generation on a real model (see --help)."""
-    _validate_generate_args(args)
+    """``specsample generate``: speculative generation on a real model (see --help).
+
+    Every option is checked before the model loads. Progress (model loading, a token bar)
+    goes to stderr; stdout gets the generated text and the statistics, or with ``--json`` one
+    JSON object only. Ctrl-C stops the generation: what was generated so far and its
+    statistics are still reported, with exit code 130.
+    """
+    texts, base = _validate_generate_args(args)
     _quiet_transformers()
+    import dataclasses
+
     import torch
+    from rich.console import Console
 
-    import specsample
+    from .engine import SpeculativeEngine, encode_prompt
 
-    from .engine import SpeculativeEngine, encode_prompt, load_model
-
-    texts = list(args.prompt)
-    for path in args.prompt_file:
-        try:
-            with open(path, encoding="utf-8") as f:
-                texts.append(f.read())
-        except OSError as exc:
-            raise CLIError(f"cannot read --prompt-file {path}: {exc}") from exc
-    try:
-        base = specsample.SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                         top_p=args.top_p, min_p=args.min_p)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from exc
-
-    console_err = None
-    if not args.json:
-        from rich.console import Console
-
-        console_err = Console(stderr=True)
-        console_err.print(f"[dim]loading {args.model} ...[/dim]")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    # transformers' GGUF loader draws a tqdm bar on stderr that no setting turns off.
-    with contextlib.redirect_stderr(io.StringIO()):
-        target = load_model(args.model, dtype=args.dtype)
-        draft = None
-        if args.drafter == "model":
-            draft = load_model(args.draft_model, dtype=args.dtype, load_tokenizer=False)
+    console_err = Console(file=sys.stderr)  # bound now: _load hides sys.stderr while loading
+    torch.set_num_threads(args.threads)
+    target = _load(args.model, console_err, what="model", dtype=args.dtype)
+    draft = None
+    if args.drafter == "model":
+        draft = _load(args.draft_model, console_err, what="draft model", dtype=args.dtype,
+                      load_tokenizer=False)
     prompts = [encode_prompt(target.tokenizer, t, chat=not args.no_chat) for t in texts]
 
     # Seeds: the user's seed (+ i per request) or one drawn here, so that --compare runs the
     # baseline with exactly the same keys.
-    import dataclasses
-
     seeds = []
     for i in range(len(prompts)):
         if args.seed is not None:
@@ -231,22 +300,41 @@ def run_generate(args: argparse.Namespace) -> int:
                                ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     baseline_engine = SpeculativeEngine(target, "none") if args.compare else None
     if not args.no_warmup:  # one-time costs (first forward, allocator) out of the timings
-        engine.generate([prompts[0]], params[0], max_new_tokens=2)
-        if baseline_engine is not None:
-            baseline_engine.generate([prompts[0]], params[0], max_new_tokens=2)
+        with console_err.status("warming up ..."):
+            engine.generate([prompts[0]], params[0], max_new_tokens=2)
+            if baseline_engine is not None:
+                baseline_engine.generate([prompts[0]], params[0], max_new_tokens=2)
 
-    interactive = not args.json
     stream = None
-    if interactive and len(prompts) == 1:
+    if not args.json and len(prompts) == 1:
         stream = _Streamer(target.tokenizer, sys.stdout)
-    result = _run_engine(engine, prompts, params, args.max_new_tokens,
-                         label=f"generating ({args.drafter})", stream=stream,
-                         progress=interactive)
+    result, interrupted = _run_engine(engine, prompts, params, args.max_new_tokens,
+                                      label=f"generating ({args.drafter})",
+                                      console=console_err, stream=stream)
     baseline = None
-    if baseline_engine is not None:
-        baseline = _run_engine(baseline_engine, prompts, params, args.max_new_tokens,
-                               label="baseline (no speculation)", progress=interactive)
+    if baseline_engine is not None and not interrupted:
+        baseline, interrupted = _run_engine(baseline_engine, prompts, params,
+                                            args.max_new_tokens,
+                                            label="baseline (no speculation)",
+                                            console=console_err)
+        if interrupted:
+            baseline = None
 
+    report = _build_report(target, texts, result, baseline)
+    report["interrupted"] = interrupted
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_report(report, streamed=stream is not None)
+    if interrupted:
+        print("interrupted: the output and statistics above cover the tokens generated so far",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _build_report(target: Any, texts: list[str], result: Any, baseline: Any) -> dict[str, Any]:
     decode = target.tokenizer.decode
     report: dict[str, Any] = {
         "model": target.name,
@@ -270,32 +358,35 @@ def run_generate(args: argparse.Namespace) -> int:
                                     if k != "per_request"}
         report["baseline_outputs"] = [{"text": decode(o.token_ids, skip_special_tokens=True),
                                        "token_ids": o.token_ids} for o in baseline.outputs]
+    return report
 
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    _print_report(report, streamed=stream is not None)
-    return 0
+
+#: Width of the report when stdout is not a terminal: wide enough that no table row wraps.
+PIPED_WIDTH = 160
 
 
 def _print_report(report: dict, *, streamed: bool) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=PIPED_WIDTH)
     if streamed:
         console.print()
     else:
         for i, out in enumerate(report["outputs"]):
-            console.rule(f"request {i} (seed {out['seed']})")
-            console.print(out["text"], markup=False, highlight=False)
+            console.print(f"--- request {i} (seed {out['seed']}, {out['finish_reason']}) ---",
+                          markup=False, highlight=False)
+            console.print(out["text"], markup=False, highlight=False, soft_wrap=True)
     s = report["stats"]
     table = Table(title=f"{report['model']}: drafter {s['drafter']}, k="
-                        f"{s['num_speculative_tokens']}, method {s['method']}")
+                        f"{s['num_speculative_tokens']}, method {s['method']}",
+                  box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("request", "tokens", "steps", "drafted", "accepted", "accept rate",
                 "mean acc. len", "tok/s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     rows = [(str(i), o["stats"]) for i, o in enumerate(report["outputs"])]
     rows.append(("total", {**s, "steps": s["request_steps"]}))
     for name, r in rows:
@@ -304,12 +395,19 @@ def _print_report(report: dict, *, streamed: bool) -> None:
                       f"{r['mean_accepted_length']:.2f}", f"{r['tokens_per_s']:.1f}")
     console.print(table)
     console.print(f"engine steps {s['steps']}, prefill {s['prefill_s']:.2f} s, decode "
-                  f"{s['decode_s']:.2f} s; paths {s['paths']}")
+                  f"{s['decode_s']:.2f} s", highlight=False)
+    paths = Table(title="code paths", box=box.SIMPLE_HEAD, title_justify="left")
+    paths.add_column("path", no_wrap=True)
+    paths.add_column("calls", justify="right", no_wrap=True)
+    paths.add_column("rows", justify="right", no_wrap=True)
+    for name, entry in sorted(s["paths"].items()):
+        paths.add_row(name, str(entry.get("calls", 0)), str(entry.get("rows", 0)))
+    console.print(paths)
     if "speedup" in report:
-        speedup = report["speedup"]
+        speedup = "n/a" if report["speedup"] is None else f"{report['speedup']:.2f}x"
         console.print(f"baseline (no speculation): {report['baseline_tokens_per_s']:.1f} tok/s; "
-                      f"speed-up {speedup:.2f}x; seeded outputs identical: "
-                      f"{report['identical']}")
+                      f"speed-up {speedup}; seeded outputs identical: "
+                      f"{report['identical']}", highlight=False)
 
 
 register("generate", "speculative generation on a transformers model (default: SmolLM2-135M)",
@@ -341,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specsample`` command; returns the exit code.
 
     User errors (bad arguments, a missing model or package) print ``error: ...`` on stderr
-    and return 2.
+    and return 2; Ctrl-C returns 130.
     """
     from .engine.models import ModelNotFoundError
 
@@ -355,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ModelNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -229,3 +229,30 @@ def test_accepted_counts_only_emitted_drafts_when_eos_cuts_a_run(target_model):
     s = res.stats.total
     assert res.outputs[0].token_ids == greedy[: greedy.index(eos) + 1]
     assert s.accepted <= s.emitted  # previously 8 accepted for 3 emitted
+
+
+def test_ctrl_c_keeps_what_was_generated(target_model):
+    # Ctrl-C in the step loop lost everything generated so far; GenerationInterrupted (a
+    # KeyboardInterrupt) now carries the partial result.
+    from specsample.engine import GenerationInterrupted
+
+    seen = []
+
+    def on_tokens(index, new_ids):
+        seen.extend(new_ids)
+        if len(seen) >= 5:
+            raise KeyboardInterrupt
+
+    engine = SpeculativeEngine(target_model, "ngram", num_speculative_tokens=4)
+    params = specsample.SamplingParams(temperature=0.0)
+    with pytest.raises(KeyboardInterrupt) as e:
+        engine.generate([REPEAT], params, max_new_tokens=40, on_tokens=on_tokens)
+    assert isinstance(e.value, GenerationInterrupted)
+    out = e.value.result.outputs[0]
+    assert out.finish_reason == "interrupted"
+    assert out.token_ids == seen and len(seen) >= 5
+    assert out.token_ids == ids(run(target_model, "none", [REPEAT], params,
+                                    max_new_tokens=len(seen)))[0]
+    stats = e.value.result.stats
+    assert stats.steps >= 1 and stats.decode_s > 0
+    assert out.stats.emitted == len(seen)

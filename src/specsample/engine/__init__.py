@@ -18,7 +18,13 @@ from .drafters import (
     make_drafter,
     ngram_lookup,
 )
-from .generate import GenerationResult, RequestOutput, SpeculativeEngine, generate
+from .generate import (
+    GenerationInterrupted,
+    GenerationResult,
+    RequestOutput,
+    SpeculativeEngine,
+    generate,
+)
 from .models import LoadedModel, ModelNotFoundError, default_gguf_path, encode_prompt, load_model
 from .stats import GenerationStats, RequestStats
 
@@ -27,6 +33,7 @@ __all__ = [
     "Draft",
     "DraftContext",
     "Drafter",
+    "GenerationInterrupted",
     "GenerationResult",
     "GenerationStats",
     "LoadedModel",

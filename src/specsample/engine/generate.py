@@ -53,7 +53,8 @@ class RequestOutput:
     Attributes:
         prompt_token_ids: the prompt.
         token_ids: the generated ids (an EOS token, when it ended the request, is included).
-        finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens or the model's context).
+        finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens or the model's context),
+            ``"interrupted"`` (only in :attr:`GenerationInterrupted.result`).
         params: the request's ``SamplingParams`` (with the seed the engine used).
         user_seeded: whether the caller gave the seed.
         stats: its counters.
@@ -73,6 +74,19 @@ class GenerationResult:
 
     outputs: list[RequestOutput]
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """``generate()`` was interrupted (Ctrl-C); ``result`` holds what was generated so far.
+
+    A :class:`KeyboardInterrupt`, so callers that do not look for it stop as usual. In
+    ``result`` the unfinished requests have ``finish_reason == "interrupted"``; a request's
+    stats may miss the step that was cut short.
+    """
+
+    def __init__(self, result: GenerationResult) -> None:
+        super().__init__("generation interrupted")
+        self.result = result
 
 
 @dataclass
@@ -183,6 +197,8 @@ class SpeculativeEngine:
             ValueError: no prompts, an empty prompt, a token id outside the vocabulary, a
                 params list of the wrong length, ``max_new_tokens < 1``.
             specsample.SamplingError: NaN / infinite logits from a model.
+            GenerationInterrupted: a KeyboardInterrupt during prefill or decoding; it carries
+                the partial result.
         """
         core = _import_core()
         prompts = [[int(t) for t in p] for p in prompts]
@@ -220,30 +236,37 @@ class SpeculativeEngine:
         paths_before = core.paths.counts()
         self.drafter.start(len(requests))
 
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for req in requests:
-                if len(req.prompt) > 1:
-                    req.cache.forward(req.prompt[:-1], logits_to_keep=1)
-                if self.max_positions is not None and len(req.prompt) >= self.max_positions:
-                    req.finish_reason = "length"
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            while True:
-                active = [r for r in requests if r.finish_reason is None]
-                if not active:
-                    break
-                self._step(core, active, max_new_tokens, on_tokens)
-                stats.steps += 1
+        t0 = t1 = time.perf_counter()
+        interrupted = False
+        try:
+            with torch.inference_mode():
+                for req in requests:
+                    if len(req.prompt) > 1:
+                        req.cache.forward(req.prompt[:-1], logits_to_keep=1)
+                    if self.max_positions is not None and len(req.prompt) >= self.max_positions:
+                        req.finish_reason = "length"
+                t1 = time.perf_counter()
+                while True:
+                    active = [r for r in requests if r.finish_reason is None]
+                    if not active:
+                        break
+                    self._step(core, active, max_new_tokens, on_tokens)
+                    stats.steps += 1
+        except KeyboardInterrupt:
+            interrupted = True
         t2 = time.perf_counter()
 
         stats.prefill_s = t1 - t0
         stats.decode_s = t2 - t1
         stats.paths = paths_delta(paths_before, core.paths.counts())
         stats.requests = [r.stats for r in requests]
-        outputs = [RequestOutput(r.prompt, r.generated, r.finish_reason or "length", r.params,
+        unfinished = "interrupted" if interrupted else "length"
+        outputs = [RequestOutput(r.prompt, r.generated, r.finish_reason or unfinished, r.params,
                                  r.user_seeded, r.stats) for r in requests]
-        return GenerationResult(outputs, stats)
+        result = GenerationResult(outputs, stats)
+        if interrupted:
+            raise GenerationInterrupted(result)
+        return result
 
     # ------------------------------------------------------------------ internals
 
