@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class SamplingError(RuntimeError):
-    """Input data of some requests was invalid (API.md guarantee 5), raised with ``strict=True``.
+    """Input data of some requests was invalid (docs/api.md, guarantee 5); raised with
+    ``strict=True``.
 
     ``requests`` lists the batch indices of the invalid requests; the message names them and
     says what is wrong (NaN / +inf logits, a row with no finite logit, logit_bias or penalties
