@@ -1,12 +1,13 @@
 """specsample: exact sampling and speculative-decoding verification for LLM inference.
 
 Public API (see ../shared/API.md and docs/semantics.md): :class:`SamplingParams`,
-:class:`SamplingBatch`, :func:`sample`, :func:`verify`, :class:`SamplingError`, and
-:mod:`specsample.paths` (which implementation ran, and forbidding paths).
+:class:`SamplingBatch`, :func:`sample`, :func:`verify`, :func:`probs`,
+:class:`SamplingError`, and :mod:`specsample.paths` (which implementation ran, and forbidding
+paths).
 """
 
 from . import paths, rng
-from .api import sample, select_backend, verify, warmup
+from .api import probs, sample, select_backend, verify, warmup
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch, SamplingParams
@@ -18,6 +19,7 @@ __all__ = [
     "SamplingParams",
     "VerifyOutput",
     "paths",
+    "probs",
     "rng",
     "sample",
     "select_backend",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -96,19 +97,71 @@ def _check_batch(batch) -> None:
                          "with SamplingBatch.from_params(params, vocab_size=V, device=...)")
 
 
+def _check_logits_rows(logits, n: int) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
+        got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"logits must be a 2-D tensor [N, V] with one row per request "
+                         f"(N = {n} rows), got {got}")
+
+
+def _gather_rows(logits, logits_index, n: int) -> torch.Tensor:
+    """``logits[logits_index]`` ([N, V]) after validating ``logits_index`` (see sample())."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"logits must be a 2-D tensor [R, V] when logits_index is given, "
+                         f"got {got}")
+    if not isinstance(logits_index, torch.Tensor):
+        try:
+            logits_index = torch.as_tensor(list(logits_index))  # floats are refused below
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"logits_index must be a [N] int64 tensor or a list of ints, got "
+                             f"{type(logits_index).__name__}") from None
+    if logits_index.dim() != 1 or logits_index.shape[0] != n:
+        raise ValueError(f"logits_index must have shape [{n}] (one entry per request), got "
+                         f"{tuple(logits_index.shape)}")
+    if logits_index.dtype.is_floating_point or logits_index.dtype.is_complex or (
+            logits_index.dtype == torch.bool):
+        raise ValueError(f"logits_index must be an integer tensor, got {logits_index.dtype}")
+    rows = logits.shape[0]
+    paths.record(f"{select_backend(logits.device)}.copy.logits_index", n)
+    idx = logits_index.to(device=logits.device, dtype=torch.int64)
+    if logits_index.device.type == "cpu":
+        bad = (logits_index < 0) | (logits_index >= rows)
+        if bool(bad.any()):
+            raise ValueError(f"logits_index entries must be in [0, {rows}) (the rows of "
+                             f"logits), got {logits_index[bad][:5].tolist()}")
+        return logits.index_select(0, idx)
+    # A device index is not read on the host (no synchronisation): an out-of-range entry
+    # makes its request invalid by reading a NaN row.
+    if rows == 0:
+        return logits.new_full((n, logits.shape[1]), math.nan)
+    out = logits.index_select(0, idx.clamp(0, rows - 1))
+    return out.masked_fill(((idx < 0) | (idx >= rows))[:, None], math.nan)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
-           strict: bool = True) -> SampleOutput:
+           strict: bool = True, logits_index=None) -> SampleOutput:
     """Sample one token per request from its processed distribution.
 
     Args:
         logits: [N, V] float32 / float16 / bfloat16 raw logits (the request's params are applied
-            inside, in float32: logit_bias, penalties, temperature, min_p, top_k, top_p).
+            inside, in float32: bans, logit_bias, penalties, temperature, min_p, top_k, top_p);
+            with ``logits_index``, [R, V] for any R >= 1.
         batch: the requests' SamplingBatch (N requests, vocab_size V, same device).
         positions: [N] int64 absolute position of the token being sampled; keys the
             counter-based RNG (``specsample.rng``). Required when a request has a user seed;
             when omitted, fresh random positions are drawn.
         strict: raise SamplingError for invalid data; with False, invalid requests get
             token id -1 and ``invalid[i] = True``, and no host synchronisation is needed.
+        logits_index: None, or [N] int64 (a tensor or a list of ints): request i reads row
+            ``logits_index[i]`` of ``logits``, so several requests (n > 1 samples of one
+            prompt, each with its own seed or position) share one row. Both backends gather
+            the rows first (``logits.index_select``: one [N, V] copy, counted as the path
+            ``"torch.copy.logits_index"`` / ``"triton.copy.logits_index"``). Host (CPU)
+            indices are range-checked (ValueError); a CUDA index tensor is not read on the
+            host: an out-of-range entry makes its request invalid (reported as a NaN logit).
 
     Returns:
         SampleOutput with token_ids [N] int64, logprobs / logprob_token_ids [N, 1 + n] (or
@@ -119,17 +172,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
 
     Raises:
         ValueError: ``batch`` is not a SamplingBatch, ``logits`` is not [N, V], invalid
-            dtypes or devices, or missing positions with user seeds.
-        SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit, or
-            logit_bias / penalties that overflow a finite logit.
+            dtypes or devices, missing positions with user seeds, or a ``logits_index`` of
+            the wrong shape / dtype / with a host entry outside [0, R).
+        SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit,
+            logit_bias / penalties that overflow a finite logit, or bans that leave no token.
     """
     _check_batch(batch)
     n = batch.num_requests
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
-        got = (f"shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
-               else type(logits).__name__)
-        raise ValueError(f"logits must be a 2-D tensor [N, V] with one row per request "
-                         f"(N = {n} rows), got {got}")
+    if logits_index is not None:
+        logits = _gather_rows(logits, logits_index, n)
+    _check_logits_rows(logits, n)
     plan = build_plan(logits, batch, draft_token_ids=None,
                       num_draft_tokens=[0] * n, draft_logits=None,
                       draft_probs=None, positions=positions, method="token")
@@ -186,7 +238,8 @@ def verify(
     Raises:
         ValueError: invalid shapes, dtypes, devices, method, or missing positions with seeds.
         SamplingError: with strict=True, invalid data (NaN / +inf logits, a row with no finite
-            logit, a draft id outside [0, V) other than -1, an invalid draft row).
+            logit, a draft id outside [0, V) other than -1, an invalid draft row, bans that
+            leave no token).
     """
     _check_batch(batch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
@@ -196,3 +249,41 @@ def verify(
     if strict:
         _raise_if_invalid(err)
     return out
+
+
+def probs(logits: torch.Tensor, batch: SamplingBatch, *, strict: bool = True) -> torch.Tensor:
+    """The processed distribution that :func:`sample` draws from, one row per request.
+
+    For drafters that sample with the request's filters and pass the result to
+    :func:`verify` as ``draft_probs``. Computed with PyTorch on either backend
+    (``specsample.processing``, the same float32 processing as the general path; counted as
+    the path ``"torch.probs"``).
+
+    Args:
+        logits: [N, V] float32 / float16 / bfloat16 raw logits.
+        batch: the requests' SamplingBatch (N requests, vocab_size V, same device).
+        strict: raise SamplingError for invalid data; with False, the rows of invalid
+            requests are all zeros (no NaN) and no host synchronisation is needed to read them.
+
+    Returns:
+        [N, V] float32: sampled requests (T > 0) softmax of the processed logits z' (bans,
+        logit_bias, penalties, temperature, min_p, top_k, top_p), rows summing to 1 up to
+        float32 rounding; greedy requests (T = 0) one-hot at the argmax of z' (lowest id on
+        ties); invalid requests zeros.
+
+    Raises:
+        ValueError: as :func:`sample` (shapes, dtypes, devices).
+        SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit,
+            logit_bias / penalties that overflow a finite logit, or bans that leave no token.
+    """
+    _check_batch(batch)
+    n = batch.num_requests
+    _check_logits_rows(logits, n)
+    positions = torch.zeros(n, dtype=torch.int64, device=logits.device)  # no noise is drawn
+    plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
+                      draft_logits=None, draft_probs=None, positions=positions, method="token")
+    paths.record("torch.probs", n)
+    p, err = torch_backend.processed_distribution(plan)
+    if strict:
+        _raise_if_invalid(err)
+    return p

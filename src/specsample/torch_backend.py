@@ -249,11 +249,13 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     return vals, ids
 
 
-def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
-    """Run one verification (or, with every k_i = 0, one sampling step) on ``plan``.
+def processed_logits(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+    """Validate and process every row of ``plan``: (the plan with the rows of invalid requests
+    and dead rows zeroed, processed logits z' [T, V] float32, [N] int64 ERR_* bitmask).
 
-    Returns the VerifyOutput (on the logits' device; docs/semantics.md gives the exact
-    function) and the [N] int64 ERR_* bitmask of every request (0 = valid).
+    Besides :func:`request_errors`, a live row whose bans leave no token sets ERR_BANS, and one
+    that logit_bias / penalties push to NaN / +inf or leave without a finite logit sets
+    ERR_PROCESSED_OVERFLOW. Rows of invalid requests hold arbitrary values (possibly all -inf).
     """
     batch = plan.batch
     n = plan.num_requests
@@ -278,7 +280,35 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         live = plan.row_live & ~invalid[plan.row_req]
         err |= _or_per_request(~torch.isfinite(zmax) & live, plan.row_req, n,
                                ERR_PROCESSED_OVERFLOW)
-        invalid = err != 0
+    return plan, z, err
+
+
+def processed_distribution(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, V] float32 processed distribution of every row, [N] int64 ERR_* bitmask).
+
+    Sampled rows: softmax(z'); greedy rows: one-hot at argmax z' (lowest id on ties); rows of
+    invalid requests and dead rows: all zeros.
+    """
+    plan, z, err = processed_logits(plan)
+    p = torch.softmax(z, dim=-1)
+    greedy = plan.batch.temperature[plan.row_req] == 0
+    if plan.batch.any_greedy:
+        onehot = torch.zeros_like(p).scatter_(1, z.argmax(dim=-1, keepdim=True), 1.0)
+        p = torch.where(greedy[:, None], onehot, p)
+    ok = (err == 0)[plan.row_req] & plan.row_live
+    return torch.where(ok[:, None], p, 0.0), err
+
+
+def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
+    """Run one verification (or, with every k_i = 0, one sampling step) on ``plan``.
+
+    Returns the VerifyOutput (on the logits' device; docs/semantics.md gives the exact
+    function) and the [N] int64 ERR_* bitmask of every request (0 = valid).
+    """
+    batch = plan.batch
+    n = plan.num_requests
+    plan, z, err = processed_logits(plan)
+    invalid = err != 0
     tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
     greedy_req = batch.temperature == 0
