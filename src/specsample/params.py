@@ -36,7 +36,10 @@ def _as_int(value, name: str) -> int:
 
 
 def _id_tuple(value, name: str, *, nonempty: bool) -> tuple[int, ...]:
-    """``value`` as a tuple of token ids >= 0 (a sequence of ints; strings are refused)."""
+    """``value`` as a tuple of token ids >= 0: a sequence of ints or a 1-D numpy array / torch
+    tensor of integers (strings are refused)."""
+    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):
+        value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{name} must be a sequence of token ids, got {value!r}")
     ids = []
