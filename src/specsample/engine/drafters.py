@@ -5,11 +5,12 @@
   followed it. One-hot drafts (``draft_logits`` is None), so verification is sample-and-match
   and a seeded request emits exactly what plain decoding emits (API.md guarantee 4).
 * :class:`ModelDrafter` (``"model"``): a second (small) transformers causal LM. Each draft is
-  sampled from ``softmax(draft_logits / temperature)`` of the request (temperature only) with
-  the exact two-level Gumbel-max draw on the drafter's own streams ``rng.draft_streams(j)``,
-  keyed by the request's seed, the draft's absolute position and its index j in the window;
-  greedy requests take the argmax. Its raw logits go to
-  ``verify()`` as ``draft_logits``.
+  sampled from ``softmax(draft_logits / temperature)`` of the request, or, when the request
+  has top_k / top_p / min_p, from that distribution after the same filters
+  (``specsample.probs``), with the exact two-level Gumbel-max draw on the drafter's own
+  streams ``rng.draft_streams(j)``, keyed by the request's seed, the draft's absolute position
+  and its index j in the window; greedy requests take the argmax. Its raw logits go to
+  ``verify()`` as ``draft_logits``, or its filtered distributions as ``draft_probs``.
 * :class:`NoDrafter` (``"none"``): no drafts; the engine decodes through ``sample()``.
 
 A drafter sees one request at a time through :meth:`Drafter.propose`.
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 from .. import rng
+from ..api import probs
+from ..params import SamplingBatch, SamplingParams
 from ..torch_backend import tiled_gumbel_argmax
 from .cache import ModelCache
 
@@ -38,10 +41,25 @@ class Draft:
     Attributes:
         token_ids: up to k draft ids (may be empty).
         logits: ``[len(token_ids), V']`` float32 raw drafter logits, or None for one-hot drafts.
+        probs: ``[len(token_ids), V']`` float32, the distributions the drafts were drawn from
+            when the request's filters (top_k / top_p / min_p) shaped them (verify() then
+            needs ``draft_probs``); None when ``softmax(logits / temperature)`` is that
+            distribution.
     """
 
     token_ids: list[int]
     logits: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+    def distribution(self, temperature: float) -> torch.Tensor:
+        """``[len(token_ids), V']`` float32: the distributions the drafts were drawn from,
+        ``probs`` or ``softmax(logits / temperature)`` (temperature 1 when greedy, as
+        verify() reads ``draft_logits``), for verify()'s ``draft_probs``."""
+        if self.probs is not None:
+            return self.probs
+        t = max(temperature, 2.0**-126) if temperature > 0 else 1.0  # as the batch clamps T
+        z = self.logits.float()
+        return torch.softmax((z - z.amax(-1, keepdim=True)) / t, dim=-1)
 
 
 @dataclass
@@ -56,6 +74,8 @@ class DraftContext:
         temperature: the request's temperature (0 = greedy).
         seed_lo, seed_hi: the request's Philox key words (``SamplingBatch.seed_lo[i]`` /
             ``seed_hi[i]``).
+        params: the request's ``SamplingParams`` (a sampling drafter applies its top_k /
+            top_p / min_p), or None (temperature only).
     """
 
     index: int
@@ -64,6 +84,7 @@ class DraftContext:
     temperature: float
     seed_lo: int
     seed_hi: int
+    params: SamplingParams | None = None
 
 
 class Drafter:
@@ -174,25 +195,46 @@ class ModelDrafter(Drafter):
         cache.crop(keep)
         self._known[ctx.index] = len(tokens)
         logits = cache.forward(list(tokens[keep:]), logits_to_keep=1)[-1]
+        filters = self._filters(ctx, logits.device)
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []
         position = len(tokens)
         for j in range(ctx.k):
             if j > 0:
                 logits = cache.forward([drafts[-1]], logits_to_keep=1)[-1]
             rows.append(logits)
-            drafts.append(self.sample(logits, ctx, position + j, j))
-        return Draft(drafts, torch.stack(rows))
+            if filters is None:
+                drafts.append(self.sample(logits, ctx, position + j, j))
+            else:
+                dists.append(probs(logits.float()[None], filters)[0])
+                drafts.append(self.sample(torch.log(dists[-1]), ctx, position + j, j,
+                                          normalised=True))
+        return Draft(drafts, torch.stack(rows), torch.stack(dists) if dists else None)
 
-    def sample(self, logits: torch.Tensor, ctx: DraftContext, position: int, j: int) -> int:
+    def _filters(self, ctx: DraftContext, device: torch.device) -> SamplingBatch | None:
+        """A one-request batch with the request's temperature and filters (nothing else), or
+        None when the request samples without filters (or greedily)."""
+        p = ctx.params
+        if p is None or p.greedy or not (p.top_k not in (0, -1) or p.top_p < 1 or p.min_p > 0):
+            return None
+        filtered = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                  min_p=p.min_p, seed=0)  # no seed drawn from torch's generator
+        return SamplingBatch.from_params([filtered], vocab_size=self.vocab_size, device=device)
+
+    def sample(self, logits: torch.Tensor, ctx: DraftContext, position: int, j: int, *,
+               normalised: bool = False) -> int:
         """Draw draft ``j`` of the window from ``softmax(logits / temperature)`` (argmax when
         greedy): the exact two-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax``
-        on the drafter's own streams ``rng.draft_streams(j)`` at the drafted position."""
+        on the drafter's own streams ``rng.draft_streams(j)`` at the drafted position.
+        ``normalised``: ``logits`` are already the log of the distribution to draw from (log
+        of ``specsample.probs``, -inf for filtered tokens); no temperature is applied."""
         if ctx.temperature == 0.0:
             return int(torch.argmax(logits))
         dev = logits.device
         z = logits.float()[None]
-        z = (z - z.max()) / max(ctx.temperature, 2.0**-126)  # as the batch clamps T
+        if not normalised:
+            z = (z - z.max()) / max(ctx.temperature, 2.0**-126)  # as the batch clamps T
 
         def key(value: int) -> torch.Tensor:
             return torch.tensor([value], dtype=torch.int64, device=dev)

@@ -283,7 +283,7 @@ class SpeculativeEngine:
             return Draft([])
         draft = self.drafter.propose(DraftContext(
             index=req.index, tokens=req.tokens, k=k, temperature=req.params.temperature,
-            seed_lo=req.seed_lo, seed_hi=req.seed_hi))
+            seed_lo=req.seed_lo, seed_hi=req.seed_hi, params=req.params))
         if len(draft.token_ids) > k:
             raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(draft.token_ids)} "
                                f"tokens, more than k={k}")
@@ -303,7 +303,9 @@ class SpeculativeEngine:
             [r.params for r in active], vocab_size=self.vocab_size,
             device=target_logits.device,
             prompt_token_ids=[r.prompt for r in active],
-            output_token_ids=[r.generated for r in active])
+            output_token_ids=[r.generated for r in active],
+            # min_tokens bans them (an id outside the vocabulary is never emitted anyway)
+            eos_token_ids=sorted(t for t in self.eos_token_ids if t < self.vocab_size))
 
         if not self.drafter.speculative:
             out = core.sample(target_logits, batch, positions=positions)
@@ -313,13 +315,21 @@ class SpeculativeEngine:
             num_drafts = [len(d.token_ids) for d in drafts]
             draft_ids = torch.tensor([t for d in drafts for t in d.token_ids], dtype=torch.int64,
                                      device=target_logits.device)
-            draft_logits = None
+            draft_logits = draft_probs = None
             if self.drafter.gives_logits and sum(num_drafts) > 0:
-                draft_logits = torch.cat([d.logits for d in drafts if d.token_ids], dim=0)
-                draft_logits = draft_logits.to(target_logits.device)
+                if any(d.probs is not None for d in drafts):
+                    # Some request drafted from its filtered distribution: every request's
+                    # exact q goes as draft_probs (softmax(logits / T) for the others).
+                    draft_probs = torch.cat([
+                        d.distribution(req.params.temperature)
+                        for req, d in zip(active, drafts, strict=True) if d.token_ids
+                    ]).to(target_logits.device)
+                else:
+                    draft_logits = torch.cat([d.logits for d in drafts if d.token_ids], dim=0)
+                    draft_logits = draft_logits.to(target_logits.device)
             out = core.verify(target_logits, draft_ids, num_drafts, batch,
-                              draft_logits=draft_logits, positions=positions,
-                              method=self.method)
+                              draft_logits=draft_logits, draft_probs=draft_probs,
+                              positions=positions, method=self.method)
             accepted = out.num_accepted.tolist()
             ids = out.token_ids.tolist()
             emitted = [ids[j][: accepted[j] + 1] for j in range(len(active))]
