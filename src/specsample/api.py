@@ -263,7 +263,7 @@ def probs(logits: torch.Tensor, batch: SamplingBatch, *, strict: bool = True) ->
         logits: [N, V] float32 / float16 / bfloat16 raw logits.
         batch: the requests' SamplingBatch (N requests, vocab_size V, same device).
         strict: raise SamplingError for invalid data; with False, the rows of invalid
-            requests are all zeros (no NaN) and no host synchronisation is needed to read them.
+            requests are all zeros (never NaN).
 
     Returns:
         [N, V] float32: sampled requests (T > 0) softmax of the processed logits z' (bans,
