@@ -20,11 +20,12 @@ def torch_backend(monkeypatch):
 def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
             "1,2", "--vocab", "512", "--k", "3", "--sample-batch-sizes", "1,2",
-            "--sample-vocab", "1024", "--temperatures", "0.7,mix"]
+            "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--filters", "T0.6+p0.9"]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     cases = report["cases"]
-    assert len(cases) == 2 * 2 * 2 + 2 * 2  # verify (kind x T x B) + sample (T x B)
+    # verify (kind x T x B) + sample (T x B) + the filter case (verify x B, sample x B)
+    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 2 + 2
     assert report["copy_bandwidth_bytes_per_s"] > 0
     for case in cases:
         for variant in ("fused", "unfused"):
@@ -38,7 +39,8 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
         assert case["unfused"]["paths"][expected]["calls"] >= 2
     dl = [c for c in cases if c["draft"] == "draft_logits"]
     assert all(c["floor_target_us"] >= c["floor_us"] for c in dl)
-    assert "verify/onehot/T=0.7/B=2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "verify/onehot/T=0.7/B=2" in printed and "sample/sample/T0.6+p0.9/B=2" in printed
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 0
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from specsample import SamplingBatch, SamplingParams, reference, sample
 
 BACKENDS = ["torch", "triton"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton on CPU: the interpreter
 
 
 @pytest.fixture(params=BACKENDS)
@@ -28,10 +29,11 @@ def kept_set(logits: torch.Tensor, **params) -> set[int]:
     """Tokens with a finite processed logprob for one row (read through processed logprobs)."""
     v = logits.shape[-1]
     p = SamplingParams(seed=0, logprobs=v, logprobs_mode="processed", **params)
-    batch = SamplingBatch.from_params([p], vocab_size=v)
-    out = sample(logits.reshape(1, v), batch, positions=torch.tensor([0]))
-    ids = out.logprob_token_ids[0, 1:]
-    lp = out.logprobs[0, 1:]
+    batch = SamplingBatch.from_params([p], vocab_size=v, device=DEVICE)
+    out = sample(logits.reshape(1, v).to(DEVICE), batch,
+                 positions=torch.tensor([0], device=DEVICE))
+    ids = out.logprob_token_ids[0, 1:].cpu()
+    lp = out.logprobs[0, 1:].cpu()
     return {int(i) for i, x in zip(ids, lp) if math.isfinite(float(x)) and int(i) >= 0}
 
 
@@ -62,22 +64,23 @@ def test_top_p_boundary_decided_beyond_float32_resolution(backend):
     x = torch.log(torch.tensor([0.3, 0.1, 0.1, 0.5], dtype=torch.float64)).float()
     assert kept_set(x, top_p=0.8) == {0, 3}
     p = SamplingParams(top_p=0.8, logprobs=0, logprobs_mode="processed", seed=0)
-    lp = sample(x[None], SamplingBatch.from_params([p], vocab_size=4),
-                positions=torch.tensor([0])).logprobs
+    lp = sample(x[None].to(DEVICE), SamplingBatch.from_params([p], vocab_size=4, device=DEVICE),
+                positions=torch.tensor([0], device=DEVICE)).logprobs
     assert math.exp(float(lp[0, 0])) == pytest.approx(0.375, rel=1e-5) or (
         math.exp(float(lp[0, 0])) == pytest.approx(0.625, rel=1e-5))
 
 
 def test_top_p_boundary_never_samples_the_cut_token(backend):
     # Statistically: the backends emitted token 1 about 11% of the time before the fix.
-    n = 600
+    n = 200
     x = torch.log(torch.tensor([0.3, 0.1, 0.1, 0.5], dtype=torch.float64)).float()
     batch = SamplingBatch.from_params([SamplingParams(top_p=0.8, seed=s) for s in range(n)],
-                                      vocab_size=4)
-    out = sample(x.expand(n, 4).contiguous(), batch, positions=torch.zeros(n, dtype=torch.int64))
-    counts = torch.bincount(out.token_ids, minlength=4).tolist()
+                                      vocab_size=4, device=DEVICE)
+    out = sample(x.expand(n, 4).contiguous().to(DEVICE), batch,
+                 positions=torch.zeros(n, dtype=torch.int64, device=DEVICE))
+    counts = torch.bincount(out.token_ids.cpu(), minlength=4).tolist()
     assert counts[1] == counts[2] == 0
-    assert 0.3 < counts[0] / n < 0.45  # 0.375 expected; sd 0.02
+    assert 0.28 < counts[0] / n < 0.47  # 0.375 expected; sd 0.034
 
 
 def test_min_p_cut_at_float32_ln_half(backend):
@@ -99,15 +102,16 @@ def test_top_p_ties_at_boundary_keep_lower_ids(backend):
     assert kept_set(torch.zeros(4), top_p=0.5000001) == {0, 1, 2}
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**31 - 1), v=st.integers(60, 300),
-       spread=st.sampled_from([8.0, 30.0, 80.0, 1.0]),
-       top_k=st.sampled_from([50, 150, 0, 1, 5, 299, 1000]),
-       top_p=st.sampled_from([1.0, 0.999999, 0.99, 0.9, 0.5, 1e-6]),
-       min_p=st.sampled_from([0.0, 1e-30, 0.01, 0.5]),
-       temperature=st.sampled_from([0.3, 1.0, 1.7]))
-def test_kept_set_matches_reference_with_mass_near_one(seed, v, spread, top_k, top_p, min_p,
-                                                        temperature):
+FILTER_CASES = dict(
+    seed=st.integers(0, 2**31 - 1), v=st.integers(60, 300),
+    spread=st.sampled_from([8.0, 30.0, 80.0, 1.0]),
+    top_k=st.sampled_from([50, 150, 0, 1, 5, 299, 1000]),
+    top_p=st.sampled_from([1.0, 0.999999, 0.99, 0.9, 0.5, 1e-6]),
+    min_p=st.sampled_from([0.0, 1e-30, 0.01, 0.5]),
+    temperature=st.sampled_from([0.3, 1.0, 1.7]))
+
+
+def _check_against_reference(backend, seed, v, spread, top_k, top_p, min_p, temperature):
     # Large spreads put almost all the mass on one token: float32 cumulative sums reach 1.0
     # long before the tail, which is where the running-sum fault cut tokens.
     g = torch.Generator().manual_seed(seed)
@@ -116,7 +120,19 @@ def test_kept_set_matches_reference_with_mass_near_one(seed, v, spread, top_k, t
     want, fragile = reference_set(x, **params)
     if fragile:
         return
-    for backend in BACKENDS:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SPECSAMPLE_BACKEND", backend)
-            assert kept_set(x, **params) == want, backend
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", backend)
+        assert kept_set(x, **params) == want
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(**FILTER_CASES)
+def test_kept_set_matches_reference_with_mass_near_one_torch(**case):
+    _check_against_reference("torch", **case)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(**FILTER_CASES)
+def test_kept_set_matches_reference_with_mass_near_one_triton(**case):
+    # The fused filter kernel (the interpreter on CPU): fewer examples, it is slow there.
+    _check_against_reference("triton", **case)

@@ -29,12 +29,21 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _params(gen: torch.Generator, n: int, *, processors: bool) -> list[SamplingParams]:
+FILTERS = [dict(top_k=7, top_p=0.9, min_p=0.01), dict(top_k=1), dict(top_p=1e-6),
+           dict(top_p=0.5), dict(min_p=0.3), dict(top_k=3, top_p=0.999999), dict(top_k=10**6),
+           dict(top_k=40, min_p=0.001)]
+
+
+def _params(gen: torch.Generator, n: int, *, processors: bool | str) -> list[SamplingParams]:
+    """Mixed temperatures; with ``processors`` every other request sets bias, penalties and
+    filters (the general path), with ``processors="filters"`` only filters (the fused path)."""
     out = []
     for i in range(n):
         t = [0.0, 0.7, 1.0, 1e-5, 1.5][int(torch.randint(0, 5, (), generator=gen))]
         kw = {}
-        if processors and i % 2:
+        if processors == "filters":
+            kw = FILTERS[(i + int(torch.randint(0, 8, (), generator=gen))) % len(FILTERS)]
+        elif processors and i % 2:
             kw = dict(top_k=7, top_p=0.9, min_p=0.01, presence_penalty=0.4,
                       repetition_penalty=1.2, logit_bias={3 % 2: 1.5})
         out.append(SamplingParams(temperature=t, seed=1000 + i, **kw))
@@ -110,6 +119,30 @@ def test_multi_tile_vocabulary(kind, method):
     _compare(*case, method)
 
 
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_filtered_path_matches(kind, method):
+    # min_p / top_k / top_p fused: no general path, the same tokens as the torch backend.
+    dtype = DTYPES[(len(kind) + len(method)) % 3]
+    case = _case(21, 6, 2500, dtype, kind, processors="filters")
+    _, path = _compare(*case, method)
+    assert path == "triton.verify.filtered"
+
+
+@pytest.mark.parametrize("rows", ["ties", "neg_inf", "equal"])
+def test_filtered_path_edge_rows(rows):
+    # Ties at the cut, rows mostly -inf, all-equal rows: the kept set and the tokens match.
+    logits, d, ks, batch, pos, extra = _case(5, 6, 300, torch.bfloat16, "onehot",
+                                             processors="filters")
+    if rows == "ties":
+        logits = (logits.float() / 2).round().to(torch.bfloat16)  # many exact ties
+    elif rows == "neg_inf":
+        logits[:, 7:] = float("-inf")
+    else:
+        logits[:] = 1.0
+    _compare(logits, d, ks, batch, pos, extra, "token")
+
+
 @pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
 def test_general_path_matches(kind):
     case = _case(11, 5, 200, torch.bfloat16, kind, processors=True)
@@ -130,7 +163,8 @@ def test_placeholders_and_invalid_rows():
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 4), vocab=st.integers(2, 700),
        dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["onehot", "draft_logits",
                                                               "draft_probs"]),
-       method=st.sampled_from(["token", "block"]), processors=st.booleans())
+       method=st.sampled_from(["token", "block"]),
+       processors=st.sampled_from([False, True, "filters"]))
 def test_random_cases(seed, n, vocab, dtype, kind, method, processors):
     case = _case(seed, n, vocab, dtype, kind, draft_vocab=max(1, vocab - seed % 3),
                  processors=processors)

@@ -31,7 +31,11 @@ def _realistic(n_rows: int, vocab: int, gen: torch.Generator, dtype) -> torch.Te
     return torch.stack(rows).to("cuda", dtype)
 
 
-def _inputs(vocab, dtype, kind, n=8, seed=0, temps=(0.0, 0.7, 1.0, 1.3)):
+FILTERS = [dict(top_k=20, top_p=0.8), dict(top_p=0.9), dict(min_p=0.1), dict(top_k=50),
+           dict(top_k=1), dict(top_p=0.999), dict(top_k=2000, min_p=1e-4)]
+
+
+def _inputs(vocab, dtype, kind, n=8, seed=0, temps=(0.0, 0.7, 1.0, 1.3), filters=False):
     gen = torch.Generator().manual_seed(seed)
     ks = [4] * n
     ks[1] = 0
@@ -51,7 +55,9 @@ def _inputs(vocab, dtype, kind, n=8, seed=0, temps=(0.0, 0.7, 1.0, 1.3)):
             target_rows.shape, generator=gen).to("cuda")).to(dtype)
     elif kind == "draft_probs":
         extra["draft_probs"] = torch.softmax(target_rows.float() / 0.9, -1)
-    params = [SamplingParams(temperature=temps[i % len(temps)], seed=100 + i) for i in range(n)]
+    params = [SamplingParams(temperature=temps[i % len(temps)], seed=100 + i,
+                             **(FILTERS[i % len(FILTERS)] if filters else {}))
+              for i in range(n)]
     batch = SamplingBatch.from_params(params, vocab_size=vocab, device="cuda")
     pos = torch.arange(n, dtype=torch.int64, device="cuda") * 1000 + 17
     return logits, d, ks, batch, pos, extra
@@ -70,8 +76,17 @@ def test_equivalence_vocab_262144(kind):
     _check_equivalence(262144, torch.bfloat16, kind, "token")
 
 
-def _check_equivalence(vocab, dtype, kind, method):
-    logits, d, ks, batch, pos, extra = _inputs(vocab, dtype, kind)
+@pytest.mark.parametrize("vocab", [151936, 262144])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_filtered_equivalence(vocab, dtype, kind, method):
+    # min_p / top_k / top_p on the fused path: the torch backend's tokens, no general path.
+    _check_equivalence(vocab, dtype, kind, method, filters=True)
+
+
+def _check_equivalence(vocab, dtype, kind, method, filters=False):
+    logits, d, ks, batch, pos, extra = _inputs(vocab, dtype, kind, filters=filters, n=14)
     plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
                       draft_logits=extra.get("draft_logits"),
                       draft_probs=extra.get("draft_probs"), positions=pos, method=method)
@@ -80,15 +95,17 @@ def _check_equivalence(vocab, dtype, kind, method):
     with paths.forbid("triton.*.general", "torch.*"):
         out = specsample.verify(logits, d, ks, batch, positions=pos, method=method,
                                 strict=False, **extra)
-    assert paths.counts()["triton.verify.fused"]["calls"] == 1
+    assert paths.counts()["triton.verify." + ("filtered" if filters else "fused")]["calls"] == 1
     assert torch.equal(out.invalid, ref_err != 0)
     assert torch.equal(out.token_ids, ref.token_ids), (out.token_ids, ref.token_ids)
     assert torch.equal(out.num_accepted, ref.num_accepted)
 
 
 @pytest.mark.parametrize("vocab", [151936, 248320, 262144])
-def test_sample_equivalence_and_no_host_sync(vocab):
-    logits, _, _, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=64)
+@pytest.mark.parametrize("filters", [False, True])
+def test_sample_equivalence_and_no_host_sync(vocab, filters):
+    logits, _, _, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=64,
+                                          filters=filters)
     logits = logits[:64]
     ref = specsample.sample(logits, batch, positions=pos)  # warm (compiles)
     torch.cuda.synchronize()
@@ -107,9 +124,11 @@ def test_sample_equivalence_and_no_host_sync(vocab):
 
 
 @pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
-def test_cuda_graph_capture_and_replay(kind):
+@pytest.mark.parametrize("filters", [False, True])
+def test_cuda_graph_capture_and_replay(kind, filters):
     vocab = 151936
-    logits, d, ks, batch, pos, extra = _inputs(vocab, torch.bfloat16, kind, n=8, seed=1)
+    logits, d, ks, batch, pos, extra = _inputs(vocab, torch.bfloat16, kind, n=8, seed=1,
+                                               filters=filters)
     static = {"logits": logits.clone(), "d": d.clone(), "pos": pos.clone()}
     if kind == "draft_logits":
         static["dl"] = extra["draft_logits"].clone()

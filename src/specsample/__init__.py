@@ -1,6 +1,6 @@
 """specsample: exact sampling and speculative-decoding verification for LLM inference.
 
-Public API (see ../shared/API.md and docs/semantics.md): :class:`SamplingParams`,
+Public API (see docs/api.md and docs/semantics.md): :class:`SamplingParams`,
 :class:`SamplingBatch`, :func:`sample`, :func:`verify`, :func:`probs`,
 :class:`SamplingError`, and :mod:`specsample.paths` (which implementation ran, and forbidding
 paths).

@@ -6,7 +6,7 @@ forbidden, see :mod:`specsample.paths`) and our own unfused baseline (an FP32 co
 logits, then the general path), and writes a table to stdout, ``bench.json`` and ``bench.png``
 into the output directory.
 
-Protocol (the reference measurement of DESIGN.md):
+Protocol (the reference measurement of docs/design.md):
 
 * verify(): V = 151,936, K = 4, B in 1, 8, 32, 128, bf16 target logits [B (K+1), V], one-hot
   drafts and draft logits [B K, V], temperatures 0.7, 1.0 and "mix" (requests alternate 0.0 and
@@ -58,8 +58,16 @@ COPY_BYTES_CPU = 256 * 2**20
 ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probability
 DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
 NOOP_BIAS = {0: 0.0}  # logit_bias that forces the general path and changes no logit
+#: Filter cases (label -> temperature and filters): the defaults of common open models' generation
+#: configs and of engines' users.
+FILTER_CASES = {
+    "T0.7+k20+p0.8": (0.7, dict(top_k=20, top_p=0.8)),
+    "T0.6+p0.9": (0.6, dict(top_p=0.9)),
+    "T1.0+minp0.1": (1.0, dict(min_p=0.1)),
+    "T1.0+k50": (1.0, dict(top_k=50)),
+}
 
-# Performance targets (GPU, graph replay; DESIGN.md).
+# Performance targets (GPU, graph replay; docs/design.md).
 VERIFY_FLOOR_RATIO = 1.25  # at B = 128
 VERIFY_B1_US = 8.0
 PEAK_TEMP_MIB = 0.5  # at B = 128
@@ -156,11 +164,13 @@ class Case:
     k: int
     vocab: int
     dtype: str
+    filters: str = ""  # a FILTER_CASES label (its temperature replaces ``temperature``)
 
     @property
     def name(self) -> str:
         kind = self.draft or "sample"
-        return f"{self.op}/{kind}/T={self.temperature}/B={self.batch}"
+        setting = self.filters or f"T={self.temperature}"
+        return f"{self.op}/{kind}/{setting}/B={self.batch}"
 
 
 def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
@@ -173,9 +183,14 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     n, k = case.batch, (case.k if case.op == "verify" else 0)
-    temps = request_temperatures(case.temperature, n)
-    params = [SamplingParams(temperature=t, seed=1000 + i) for i, t in enumerate(temps)]
-    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=NOOP_BIAS)
+    extra = {}
+    if case.filters:
+        t_case, extra = FILTER_CASES[case.filters]
+        temps = [t_case] * n
+    else:
+        temps = request_temperatures(case.temperature, n)
+    params = [SamplingParams(temperature=t, seed=1000 + i, **extra) for i, t in enumerate(temps)]
+    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=NOOP_BIAS, **extra)
                for i, t in enumerate(temps)]
     logits = zipf_logits(n * (k + 1), case.vocab, dtype=DTYPES[case.dtype], device=device,
                          generator=gen)
@@ -435,6 +450,10 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
              for b in args.batch_sizes]
     cases += [Case("sample", None, t, b, 0, args.sample_vocab, args.dtype)
               for t in args.temperatures for b in args.sample_batch_sizes]
+    cases += [Case("verify", "onehot", "", b, args.k, args.vocab, args.dtype, f)
+              for f in args.filters for b in args.batch_sizes]
+    cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
+              for f in args.filters for b in args.sample_batch_sizes]
     return cases
 
 
@@ -500,7 +519,10 @@ def plot(results: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     kinds = list(dict.fromkeys((r["op"], r["draft"]) for r in results))
-    temps = list(dict.fromkeys(r["temperature"] for r in results))
+    def setting(r: dict) -> str:
+        return r.get("filters") or f"T={r['temperature']}"
+
+    temps = list(dict.fromkeys(setting(r) for r in results))
     fig, axes = plt.subplots(len(kinds), len(temps), figsize=(4.5 * len(temps),
                              3.6 * len(kinds)), squeeze=False)
     lines = (("fused", "eager_us", "o-", "fused eager"), ("fused", "graph_us", "s-",
@@ -508,8 +530,11 @@ def plot(results: list[dict], path: Path) -> bool:
              ("unfused", "graph_us", "s--", "unfused graph"))
     for (op, draft), row in zip(kinds, axes, strict=True):
         for temp, ax in zip(temps, row, strict=True):
-            sel = sorted((r for r in results if (r["op"], r["draft"], r["temperature"]) ==
+            sel = sorted((r for r in results if (r["op"], r["draft"], setting(r)) ==
                           (op, draft, temp)), key=lambda r: r["batch"])
+            if not sel:
+                ax.axis("off")
+                continue
             bs = [r["batch"] for r in sel]
             for variant, key, style, label in lines:
                 ys = [r.get(variant, {}).get(key) for r in sel]
@@ -520,7 +545,7 @@ def plot(results: list[dict], path: Path) -> bool:
             ax.plot(bs, [ratio * r["floor_target_us"] for r in sel], color="0.6", lw=0.8,
                     label=f"{ratio}x floor")
             ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time (us)",
-                   title=f"{op} {draft or ''} T={temp}".replace("  ", " "))
+                   title=f"{op} {draft or ''} {temp}".replace("  ", " "))
             ax.set_xticks(bs, [str(b) for b in bs])
             ax.xaxis.set_minor_locator(NullLocator())
             ax.grid(True, which="both", alpha=0.3)
@@ -582,6 +607,15 @@ def _temp_list(text: str) -> list[str]:
     return labels
 
 
+def _filter_list(text: str) -> list[str]:
+    labels = [] if text == "none" else [x for x in text.split(",") if x]
+    bad = [x for x in labels if x not in FILTER_CASES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown filter case {bad[0]!r}; choose from "
+                                         + ", ".join(FILTER_CASES))
+    return labels
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``specsample bench`` / ``python -m specsample.bench``."""
     p.add_argument("--out", default="bench_out", metavar="DIR",
@@ -599,6 +633,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=_temp_list, default=list(TEMPERATURE_LABELS),
                    metavar="T,T,...", help="temperatures; 'mix' = alternating 0 and 1 "
                    "(default 0.7,1.0,mix)")
+    p.add_argument("--filters", type=_filter_list, default=list(FILTER_CASES),
+                   metavar="LABEL,...", help="filter cases (one-hot verify and sample): "
+                   + ", ".join(FILTER_CASES) + " (default: all; 'none' for none)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the target and draft logits (bfloat16)")
     p.add_argument("--quick", action="store_true",

@@ -4,9 +4,12 @@ Paths (``specsample.paths``):
 
 * ``triton.sample.fused`` / ``triton.verify.fused``: the kernels read the model's own bf16 /
   fp16 / fp32 logits, temperature applied inside; no FP32 [rows, V] buffer, no host sync.
-* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias,
-  penalties, min_p, top_k or top_p; the processed float32 logits are materialised by
-  ``specsample.processing`` (PyTorch), then the same kernels run on them.
+* ``triton.sample.filtered`` / ``triton.verify.filtered``: the fused path with min_p / top_k /
+  top_p: ``filters.filter_kernel`` finds each row's cut exactly from the model's own logits
+  (no sort, no FP32 copy), then the same kernels draw from the survivors.
+* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias or
+  penalties; the processed float32 logits are materialised by ``specsample.processing``
+  (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.logprobs``: logprobs were asked for; the emitted rows are gathered and their
   log-distributions computed with PyTorch from the kernels' row statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
@@ -29,9 +32,12 @@ from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..processing import process_rows
 from ..torch_backend import emitted_logprobs
-from . import kernels
+from . import filters, kernels
 
 S_MAX = 128  # most vocabulary splits of one row
+# Mantissa bits that are zero in every float32 value converted from the logits' dtype: the
+# filter kernel's search runs over the remaining bits only (4 passes for bf16 instead of 8).
+_KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
 TILES_PER_CHUNK = 4  # the stats kernel loads 4 tiles (8192 tokens) per iteration on GPU
 NUM_WARPS = 8
@@ -61,21 +67,31 @@ def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int,
     return s, cps, nt
 
 
+def _planes(count: int, shape: tuple[int, ...], dtype, device) -> list[torch.Tensor]:
+    """``count`` tensors of ``shape`` carved from one allocation, each starting on a 16-byte
+    boundary (Triton specialises pointers on 16-byte alignment: a plane at an odd offset would
+    compile another kernel variant)."""
+    n = math.prod(shape)
+    per = -(-n // 4) * 4  # 4-byte elements: a multiple of 16 bytes per plane
+    flat = torch.empty(count * per, dtype=dtype, device=device)
+    return [flat[i * per:i * per + n].view(shape) for i in range(count)]
+
+
 def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_extra: int,
-                  temp, *, is_probs: bool, write_tiles: bool):
+                  temp, *, is_probs: bool, write_tiles: bool, write_top: bool = False):
     rows, vocab = x.shape
     dev = x.device
     s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
-    part_m = torch.empty(rows, s, dtype=torch.float32, device=dev)
-    part_s = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_m, part_s = _planes(2, (rows, s), torch.float32, dev)
     part_f = torch.empty(rows, s, dtype=torch.int32, device=dev)
-    tiles = torch.empty(2, rows if write_tiles else 1, nt, dtype=torch.float32, device=dev)
+    tiles = _planes(3, (rows if write_tiles else 1, nt), torch.float32, dev)
     if rows:
         kernels.stats_kernel[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
             live_extra, temp,
-            part_m, part_s, part_f, tiles[0], tiles[1], s, cps, nt,
-            IS_PROBS=is_probs, WRITE_TILES=write_tiles, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
+            part_m, part_s, part_f, tiles[0], tiles[1], tiles[2], s, cps, nt,
+            IS_PROBS=is_probs, WRITE_TILES=write_tiles, WRITE_TOP=write_top,
+            TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
             num_warps=NUM_WARPS if not _interpreting(dev) else 1)
     return (part_m, part_s, part_f, tiles), (s, cps, nt)
 
@@ -102,6 +118,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     dev = plan.logits.device
     n, k = plan.num_requests, plan.max_k
     general = batch.needs_general_path
+    filtered = batch.needs_filter and not general
     if general:
         x = process_rows(plan)
         temp = torch.ones_like(batch.temperature)
@@ -113,7 +130,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         1, dtype=torch.int64, device=dev)
     (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
         x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
-        write_tiles=True)
+        write_tiles=True, write_top=filtered)
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
@@ -132,12 +149,22 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     y = torch.empty(rows, dtype=torch.int32, device=dev)
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
+    cut_v = cut_i = logz_f = part_m  # (not read unless filtered)
+    if filtered:
+        cut_v, logz_f = _planes(2, (rows,), torch.float32, dev)
+        cut_i = torch.empty(rows, dtype=torch.int32, device=dev)
+        filters.filter_kernel[(rows,)](
+            x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
+            plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
+            part_m, part_s, part_f, s, tiles[0], tiles[1], tiles[2], nt, cut_v, cut_i, logz_f,
+            NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype], S_MAX=S_MAX,
+            BLOCK=BLOCK, num_warps=warps)
     kernels.sample_kernel[(rows,)](
         x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
         plan.k_given, temp, req_temp,
         batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
-        tiles[0], tiles[1], s, nt, y, stats, S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK,
-        num_warps=warps)
+        tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, logz_f, FILTERED=filtered,
+        S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK, num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
@@ -150,9 +177,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
         y, stats, tiles[0], tiles[1], nt,
         draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-        token_ids, num_accepted, err, invalid, res_row, res_rho, k,
+        token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
         HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
-        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", S_MAX=S_MAX, BLOCK=BLOCK,
+        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", FILTERED=filtered,
+        S_MAX=S_MAX, BLOCK=BLOCK,
         num_warps=4 if not _interpreting(dev) else 1)
 
     if plan.has_draft_dist:
@@ -161,13 +189,14 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         kernels.residual_mass_kernel[(n, rs)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-            res_row, res_rho, mass, nt, rcps, DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
-            num_warps=warps)
+            res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
+            FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
         kernels.residual_draw_kernel[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k,
-            DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,
+            cut_i, DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK,
+            num_warps=warps)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", rows)
@@ -178,7 +207,13 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
 
         def processed(flat: torch.Tensor) -> torch.Tensor:
             m, logz = stats[flat, 0:1], stats[flat, 1:2]
-            return (x[flat].float() - m) / t_eff[flat, None] - logz
+            xf = x[flat].float()
+            lp = (xf - m) / t_eff[flat, None] - logz
+            if filtered:
+                ids = torch.arange(xf.shape[1], device=dev)
+                cv, ci = cut_v[flat, None], cut_i[flat, None]
+                lp = lp.masked_fill(~((xf > cv) | ((xf == cv) & (ids <= ci))), -math.inf)
+            return lp
 
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
@@ -247,7 +282,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     """Compile every kernel variant a deployment can need, then guard against later compiles.
 
     Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
-    greedy and sampled requests mixed, plus the general path (float32 processed logits), on
+    greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
+    and on the general path (float32 processed logits), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
@@ -262,6 +298,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     dv = draft_vocab_size or vocab_size
     gen = torch.Generator(device="cpu").manual_seed(0)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)]
+    filtered = [SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
     general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
@@ -273,7 +311,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         target = torch.randn(2, vocab_size, generator=gen).to(device=device, dtype=dtype)
         rows = torch.randn(5, vocab_size, generator=gen).to(device=device, dtype=dtype)
         drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
-        for plist in (params, general):
+        for plist in (params, filtered, general):
             batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
             sample(target, batch, positions=pos, strict=False)
             calls += 1

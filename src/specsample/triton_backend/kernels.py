@@ -129,13 +129,15 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
 @triton.jit(**_NOSPEC)
 def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                  k_given_ptr, live_extra, temp_ptr,
-                 part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
+                 part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                  S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
+                 WRITE_TOP: tl.constexpr,
                  TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
     probabilities) and flags; with WRITE_TILES, per tile a reference ``ref`` (the max of its
     chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
-    (ref - max) / T + log(sum). A split covers CPS chunks: one load of TPC * BLOCK elements per
+    (ref - max) / T + log(sum), and with WRITE_TOP the tile's own maximum (for the filter
+    kernel's search bounds). A split covers CPS chunks: one load of TPC * BLOCK elements per
     iteration, about five instructions per element (convert, max, FMA, exp2, add). Errors need
     no per-element test for logits: a NaN or +inf makes the sum NaN, and a row with no finite
     value has max -inf. Rows past the request's live range (``j >= k_eff + live_extra``) are
@@ -183,6 +185,8 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                     tl.store(tilemax_ptr + o_t, tl.zeros([TPC], tl.float32) + cmax,
                              mask=tile < NT)
                     tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
+                    if WRITE_TOP:
+                        tl.store(tiletop_ptr + o_t, tl.max(x2, axis=1), mask=tile < NT)
     if IS_PROBS:
         flags = tl.max(flag_v & FLAG_BAD, axis=0) | tl.max(flag_v & FLAG_FINITE, axis=0)
         acc = tl.sum(sum_v, axis=0)
@@ -219,11 +223,19 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
 
 
 @triton.jit
+def _survives(x, offs, cut_v, cut_i):
+    """The filters' survivors (``filters.filter_kernel``): a prefix of the row in rank order,
+    up to the token (cut_v, cut_i). Unfiltered rows have cut (-inf, INT_MAX)."""
+    return (x > cut_v) | ((x == cut_v) & (offs <= cut_i))
+
+
+@triton.jit
 def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
-                  pos, BLOCK: tl.constexpr):
-    """Exact draw from softmax((x - m) / t) of row ``r`` by two-level Gumbel-max: a tile with
-    keys log-mass + G (STREAM_SAMPLE_TILE), then a token of that tile with keys
-    (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
+                  pos, cut_v, cut_i, BLOCK: tl.constexpr):
+    """Exact draw from softmax((x - m) / t) of row ``r``, restricted to the survivors of the
+    cut (cut_v, cut_i), by two-level Gumbel-max: a tile with keys log-mass + G
+    (STREAM_SAMPLE_TILE), then a token of that tile with keys (x - m) / t + G
+    (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
     best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
@@ -243,7 +255,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     offs = bt * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
                 other=-float("inf")).to(tl.float32)
-    fin = (x > -float("inf")) & (x < float("inf"))
+    fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     key = tl.where(fin, (x - m) / t, -float("inf"))
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
     key = tl.where(fin, key, -float("inf"))
@@ -275,10 +287,13 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, req_temp_ptr,
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
+                  cut_v_ptr, cut_i_ptr, logz_f_ptr, FILTERED: tl.constexpr,
                   S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact two-level Gumbel-max
-    draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags)."""
+    draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
+    FILTERED: ``filters.filter_kernel`` ran first; the log-normaliser and the tile sums are the
+    survivors' and the draw is restricted to the row's cut."""
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
@@ -288,10 +303,16 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     m, logz, flags = _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, False, S_MAX)
     y = 0
     ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
+    cut_v = -float("inf")
+    cut_i = 2147483647
+    if FILTERED:
+        cut_v = tl.load(cut_v_ptr + r)
+        cut_i = tl.load(cut_i_ptr + r)
+        logz = tl.load(logz_f_ptr + r)
     if ok & (tl.load(req_temp_ptr + req) > 0):
         y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
                           tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
-                          tl.load(pos_ptr + req) + j, BLOCK)
+                          tl.load(pos_ptr + req) + j, cut_v, cut_i, BLOCK)
     elif ok:
         y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
@@ -302,25 +323,38 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 
 @triton.jit
-def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr):
-    """p(tok) of a row from its stats: exp((x - m) / t - logz), or x for probabilities;
-    0 for tok >= V (a draft vocabulary shorter than the target's)."""
+def _cut(cut_v_ptr, cut_i_ptr, row, FILTERED: tl.constexpr):
+    """The filters' cut (cut_v, cut_i) of target row ``row``; (-inf, INT_MAX) unfiltered."""
+    cut_v = -float("inf")
+    cut_i = 2147483647
+    if FILTERED:
+        cut_v = tl.load(cut_v_ptr + row)
+        cut_i = tl.load(cut_i_ptr + row)
+    return cut_v, cut_i
+
+
+@triton.jit
+def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr, cut_v, cut_i):
+    """p(tok) of a row from its stats: exp((x - m) / t - logz) (0 outside the filters' cut),
+    or x for probabilities; 0 for tok >= V (a draft vocabulary shorter than the target's)."""
     ok = tok < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride + tl.where(ok, tok, 0)).to(tl.float32)
+    safe = tl.where(ok, tok, 0)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + safe).to(tl.float32)
     if IS_PROBS:
         p = x
     else:
-        p = tl.exp((x - m) / t - logz)
+        p = tl.where(_survives(x, safe, cut_v, cut_i), tl.exp((x - m) / t - logz), 0.0)
     return tl.where(ok, p, 0.0)
 
 
 @triton.jit
 def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt,
-                      rho, offs, DRAFT_PROBS: tl.constexpr):
-    """w = max(rho p - q, 0) at token ids ``offs`` of target row ``xr`` / draft row ``dr``."""
+                      rho, offs, cut_v, cut_i, DRAFT_PROBS: tl.constexpr):
+    """w = max(rho p - q, 0) at token ids ``offs`` of target row ``xr`` / draft row ``dr``
+    (p = 0 outside the filters' cut)."""
     x = tl.load(x_ptr + xr.to(tl.int64) * stride + offs, mask=offs < V,
                 other=-float("inf")).to(tl.float32)
-    fin = (x > -float("inf")) & (x < float("inf"))
+    fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     p = tl.where(fin, tl.exp((x - m) / t - logz), 0.0)
     dmask = offs < DV
     y = tl.load(d_ptr + dr.to(tl.int64) * dstride + offs, mask=dmask, other=0.0).to(tl.float32)
@@ -334,13 +368,13 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 
 @triton.jit
 def _residual_mass(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
-                   NT, DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
+                   NT, cut_v, cut_i, DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
     """Z = sum_x max(rho p(x) - q(x), 0) over target row ``xr`` and draft row ``dr``."""
     total = 0.0
     for tile in range(0, NT):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                              dlogz, dt, rho, offs, DRAFT_PROBS)
+                              dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
         total += tl.sum(w, axis=0)
     return total
 
@@ -348,9 +382,11 @@ def _residual_mass(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
 @triton.jit
 def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr):
     if DRAFT_PROBS:
-        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, True)
+        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, True, -float("inf"),
+                     2147483647)
     else:
-        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, False)
+        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, False, -float("inf"),
+                     2147483647)
     return q
 
 
@@ -360,9 +396,9 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                   out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
-                  res_rho_ptr, K,
+                  res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel``), draw the correction from the residual where a draft distribution was
     rejected, and write token ids [K+1], num_accepted and the error bitmask."""
@@ -413,14 +449,15 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                 err |= tl.where(dbad, ERR_DRAFT_ROW, 0)
         if use_dist != 0:
             if is_draft:
-                p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False)
+                cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
+                p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i)
                 q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS)
                 if BLOCK_METHOD:
                     if j > 0:
                         # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
                         mass = _residual_mass(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride,
-                                              DV, dr, dm, dlogz, dt, rho, NT, DRAFT_PROBS,
-                                              BLOCK)
+                                              DV, dr, dm, dlogz, dt, rho, NT, cut_v, cut_i,
+                                              DRAFT_PROBS, BLOCK)
                         denom = mass + (1.0 - rho)
                         h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
                         u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
@@ -474,7 +511,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
 @triton.jit
 def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                            draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                           dpart_f_ptr, DS, res_rho_ptr, i, r, tile, DRAFT_PROBS: tl.constexpr,
+                           dpart_f_ptr, DS, res_rho_ptr, i, r, tile, cut_v_ptr, cut_i_ptr,
+                           DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                            S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Residual weights w = max(rho_tau p - q, 0) of tile ``tile`` of request ``i``'s rejected
     target row ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
@@ -488,8 +526,9 @@ def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, 
     dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
                                    DRAFT_PROBS, S_MAX)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
+    cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
     w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                          dt, tl.load(res_rho_ptr + i), offs, DRAFT_PROBS)
+                          dt, tl.load(res_rho_ptr + i), offs, cut_v, cut_i, DRAFT_PROBS)
     return w, offs
 
 
@@ -497,8 +536,8 @@ def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, 
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
                          dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT,
-                         CPS, DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
+                         FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
     w = max(rho_tau p - q, 0) in each tile of the split (the rejected target / draft row pair
     is read once, in parallel over splits). Writes mass [N, NT]."""
@@ -510,7 +549,8 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                res_rho_ptr, i, r, tile, DRAFT_PROBS, S_MAX, BLOCK)
+                res_rho_ptr, i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX,
+                BLOCK)
             tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
 
 
@@ -518,8 +558,9 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr,
                          dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                         res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K,
-                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K, cut_v_ptr,
+                         cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact two-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; then a token of it,
     STREAM_RESIDUAL), or the row's target sample when the residual mass is 0 (p == q to
@@ -551,7 +592,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                res_rho_ptr, i, r, bt, DRAFT_PROBS, S_MAX, BLOCK)
+                res_rho_ptr, i, r, bt, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX,
+                BLOCK)
             key = tl.log(tl.where(w > 0, w, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
