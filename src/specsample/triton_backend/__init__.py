@@ -30,8 +30,7 @@ import triton
 from .. import paths, rng
 from ..outputs import VerifyOutput
 from ..plan import Plan
-from ..processing import process_rows
-from ..torch_backend import emitted_logprobs
+from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
 from . import filters, kernels
 
 S_MAX = 128  # most vocabulary splits of one row
@@ -120,7 +119,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     general = batch.needs_general_path
     filtered = batch.needs_filter and not general
     if general:
-        x = process_rows(plan)
+        # PyTorch processing (float32 copy), with its own error bits: rows emptied by bans and
+        # logits that bias / penalties overflowed are reported as such, not as bad raw logits.
+        _, x, proc_err = processed_logits(plan)
         temp = torch.ones_like(batch.temperature)
     else:
         x = _contiguous_rows(plan.logits, "target")
@@ -197,6 +198,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,
             cut_i, DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=warps)
+    if general:
+        err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", rows)
