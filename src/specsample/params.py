@@ -13,6 +13,10 @@ from .rng import split_seed
 
 LOGPROBS_MODES = ("raw", "processed")
 F32_MAX = 3.4028234663852886e38
+#: Calls with ``positions=None`` use positions ``(c mod FRESH_PERIOD) * FRESH_STRIDE``, c the
+#: batch's ``fresh_counter`` (docs/semantics.md): below 2**62 with any row offset j < 2**31.
+FRESH_STRIDE = 2**31
+FRESH_PERIOD = 2**31
 
 
 def _as_float(value, name: str) -> float:
@@ -210,6 +214,9 @@ class SamplingBatch:
     bad_prefix: torch.Tensor  # [nw, W] int64 the word's tokens but its last, right-aligned, -1 pad
     bad_last: torch.Tensor  # [nw] int64 the word's last token (the one banned)
     context_tail: torch.Tensor  # [N, W] int64 last W tokens of prompt + outputs, -1 padded left
+    # [1] int64: calls so far with positions=None (plus a random start); plan.fresh_positions
+    # reads it and advances it in place, so replayed CUDA graphs draw fresh noise too.
+    fresh_counter: torch.Tensor
     eos_token_ids: tuple[int, ...] = ()
     user_seeded: bool = False
     any_greedy: bool = False
@@ -251,7 +258,10 @@ class SamplingBatch:
         min_tokens (the output count); missing lists count as empty. ``eos_token_ids``: ids
         shared by every request that join each request's ``stop_token_ids`` (min_tokens bans
         them). Requests with ``seed=None`` get a fresh seed drawn from torch's default (CPU)
-        generator here.
+        generator here, and the batch gets ``fresh_counter`` ([1] int64 on ``device``; when no
+        request has a user seed, a start in [0, 2**31) drawn from the same generator, else 0):
+        calls with ``positions=None`` key their noise by it and advance it in place
+        (``specsample.plan.fresh_positions``).
 
         Raises:
             ValueError: empty ``params``, a non-``SamplingParams`` entry, ``vocab_size < 1``,
@@ -279,6 +289,9 @@ class SamplingBatch:
             else:
                 seeds.append(p.seed)
         split = [split_seed(s) for s in seeds]
+        # (drawn only when positions=None is allowed: no draw for batches with user seeds)
+        counter_start = 0 if any(p.seed is not None for p in params) else int(
+            torch.randint(0, FRESH_PERIOD, (), dtype=torch.int64))
 
         bias_req, bias_ids, bias_val = [], [], []
         for i, p in enumerate(params):
@@ -393,6 +406,7 @@ class SamplingBatch:
             bad_prefix=bad_prefix.to(device),
             bad_last=i64([word[-1] for _, word in words]),
             context_tail=tail.to(device),
+            fresh_counter=i64([counter_start]),
             eos_token_ids=eos,
             user_seeded=any(p.seed is not None for p in params),
             any_greedy=not all(sampled),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .params import SamplingBatch
+from .params import FRESH_PERIOD, FRESH_STRIDE, SamplingBatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 METHODS = ("token", "block")
@@ -160,11 +160,32 @@ def _check_float_matrix(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
+def fresh_positions(batch: SamplingBatch, device: torch.device | None = None) -> torch.Tensor:
+    """[N] int64 positions for a call with ``positions=None``; advances the batch's counter.
+
+    Every request gets ``(c mod FRESH_PERIOD) * FRESH_STRIDE`` (2**31 * (c mod 2**31)), ``c``
+    the value of ``batch.fresh_counter`` ([1] int64) before the call; then
+    ``batch.fresh_counter.add_(1)`` in place. Device ops only (no host work, no torch
+    generator), so a captured CUDA graph advances the counter at every replay. Rows j < 2**31
+    of consecutive calls never share a position, so no key (seed, position + j) repeats
+    within 2**31 calls; the largest position, plus any row offset, stays below 2**62. Requests
+    of one call share the position but have distinct random seeds (only batches without user
+    seeds get here). ``device``: where the positions go (default the batch's device).
+
+    Raises:
+        ValueError: a request of ``batch`` has a user-given seed (positions are required).
+    """
+    if batch.user_seeded:
+        raise ValueError("positions is required when a request has a user-given seed")
+    counter = batch.fresh_counter
+    pos = counter.remainder(FRESH_PERIOD).mul_(FRESH_STRIDE).repeat(batch.num_requests)
+    counter.add_(1)  # after pos was computed from it (same stream)
+    return pos if device is None else pos.to(device)
+
+
 def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) -> torch.Tensor:
     if positions is None:
-        if batch.user_seeded:
-            raise ValueError("positions is required when a request has a user-given seed")
-        return torch.randint(0, 2**40, (n,), dtype=torch.int64, device=device)
+        return fresh_positions(batch, device)
     if not isinstance(positions, torch.Tensor):
         positions = torch.as_tensor(positions)  # no dtype: floats must not be truncated
     if positions.dim() != 1 or positions.shape[0] != n:
@@ -174,7 +195,8 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) ->
     if positions.device.type == "cpu" and bool((positions < 0).any()):
         # (checked for host tensors and lists only: a device tensor would need a sync)
         raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
-    return positions.to(device=device, dtype=torch.int64)
+    # (contiguous: the Triton kernels index positions by request without a stride)
+    return positions.to(device=device, dtype=torch.int64).contiguous()
 
 
 def build_plan(
@@ -194,6 +216,9 @@ def build_plan(
         ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
             num_draft_tokens entry, both draft_logits and draft_probs, V' > V, an unknown method,
             or missing positions while a request has a user-given seed.
+
+    With ``positions=None`` the positions come from :func:`fresh_positions`, which advances
+    ``batch.fresh_counter`` by 1 (only once every other argument has been validated).
     """
     if not isinstance(batch, SamplingBatch):
         raise ValueError(f"batch must be a SamplingBatch, got {type(batch).__name__}")

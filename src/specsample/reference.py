@@ -52,6 +52,7 @@ import torch
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch, SamplingParams
+from .plan import fresh_positions
 from .rng import (
     STREAM_ACCEPT,
     STREAM_BLOCK_ACCEPT,
@@ -627,7 +628,9 @@ def verify(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
     Same arguments and output as the public function, except: ``strict`` defaults to False
     (invalid requests are marked, as the backends do with ``strict=False``); logprobs are
     float64; with ``return_traces=True`` returns ``(VerifyOutput, [RequestTrace] * N)``.
-    ``positions=None`` draws random positions (only allowed without user seeds).
+    ``positions=None`` (only allowed without user seeds) takes the positions the public
+    functions take, :func:`specsample.plan.fresh_positions`, and advances
+    ``batch.fresh_counter`` likewise.
     """
     if method not in METHODS:
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
@@ -654,10 +657,8 @@ def verify(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
         kind, dist = "probs", _as_f64(draft_probs)
     if dist is not None and (dist.shape[0] != sum(ks) or not 1 <= dist.shape[1] <= v):
         raise ValueError(f"draft distribution has shape {tuple(dist.shape)}")
-    if positions is None:
-        if batch.user_seeded:
-            raise ValueError("positions is required when a request has a user-given seed")
-        positions = torch.randint(0, 2**40, (n,), dtype=torch.int64)
+    if positions is None:  # as the public functions: the batch's counter, then advanced
+        positions = fresh_positions(batch)
     pos_all = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor)
                                 else positions)]
     seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
