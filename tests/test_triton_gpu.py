@@ -181,3 +181,39 @@ def _warmup_then_no_compilation():
         specsample.sample(logits[:5], general, positions=pos, strict=False)
     assert triton_backend.compilations_after_warmup() == []
     paths.reset()
+
+
+def test_cuda_graph_replays_draw_fresh_noise_without_positions():
+    # Unseeded requests with positions=None: every replay reads and advances the batch's
+    # device counter (no torch generator inside the graph), so replays with the same inputs
+    # draw new tokens; strict=True inside capture is refused with a clear error.
+    n, vocab, replays = 64, 8, 8
+    torch.manual_seed(0)
+    batch = SamplingBatch.from_params([SamplingParams()] * n, vocab_size=vocab, device="cuda")
+    logits = torch.zeros(2 * n, vocab, device="cuda", dtype=torch.bfloat16)  # uniform rows
+    drafts = torch.zeros(n, dtype=torch.int64, device="cuda")
+    ks = [1] * n
+
+    def call():
+        return specsample.verify(logits, drafts, ks, batch, strict=False)
+
+    graph, graph_out = capture_graph(call)
+    c0 = int(batch.fresh_counter)
+    firsts = []
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        firsts.append(graph_out.token_ids[:, 0].clone())
+    assert int(batch.fresh_counter) == c0 + replays
+    for a, b in zip(firsts, firsts[1:]):
+        assert not torch.equal(a, b)  # P(equal) = 8**-64 with fresh noise
+    counts = torch.bincount(torch.cat(firsts), minlength=vocab).cpu().double()
+    assert counts.sum() == n * replays
+    chi2 = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
+    assert chi2 < 24.3  # chi-square, 7 degrees of freedom, p = 0.001
+
+    with pytest.raises(ValueError, match=r"strict=True.*CUDA-graph capture.*strict=False"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            specsample.verify(logits, drafts, ks, batch, strict=True)
+    torch.cuda.synchronize()
+    assert int(batch.fresh_counter) == c0 + replays

@@ -91,6 +91,19 @@ def _raise_if_invalid(err: torch.Tensor) -> None:
                             torch_backend.describe_errors(codes))
 
 
+def _capturing() -> bool:
+    """True while the current CUDA stream captures a graph (creates no CUDA context)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_not_capturing(strict: bool, name: str) -> None:
+    """ValueError when ``strict`` is true while the current CUDA stream is capturing a graph
+    (strict=True reads the error flags on the host, a synchronisation capture forbids)."""
+    if strict and _capturing():
+        raise ValueError(f"{name}(strict=True) needs a host synchronisation and cannot run "
+                         "inside CUDA-graph capture; pass strict=False and read out.invalid")
+
+
 def _check_batch(batch) -> None:
     if not isinstance(batch, SamplingBatch):
         raise ValueError(f"batch must be a SamplingBatch, got {type(batch).__name__}; build it "
@@ -152,9 +165,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
         batch: the requests' SamplingBatch (N requests, vocab_size V, same device).
         positions: [N] int64 absolute position of the token being sampled; keys the
             counter-based RNG (``specsample.rng``). Required when a request has a user seed;
-            when omitted, fresh random positions are drawn.
+            when omitted, every request gets position ``2**31 * (c mod 2**31)``, c the batch's
+            ``fresh_counter``, which the call then advances by 1 in place (a device op: calls
+            and CUDA-graph replays never reuse noise; docs/semantics.md).
         strict: raise SamplingError for invalid data; with False, invalid requests get
             token id -1 and ``invalid[i] = True``, and no host synchronisation is needed.
+            strict=True reads the errors on the host, so it cannot run inside CUDA-graph
+            capture (ValueError).
         logits_index: None, or [N] int64 (a tensor or a list of ints): request i reads row
             ``logits_index[i]`` of ``logits``, so several requests (n > 1 samples of one
             prompt, each with its own seed or position) share one row. Both backends gather
@@ -172,11 +189,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
 
     Raises:
         ValueError: ``batch`` is not a SamplingBatch, ``logits`` is not [N, V], invalid
-            dtypes or devices, missing positions with user seeds, or a ``logits_index`` of
-            the wrong shape / dtype / with a host entry outside [0, R).
+            dtypes or devices, missing positions with user seeds, a ``logits_index`` of
+            the wrong shape / dtype / with a host entry outside [0, R), or strict=True while
+            the current CUDA stream is capturing a graph (checked first, before any work).
         SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit,
             logit_bias / penalties that overflow a finite logit, or bans that leave no token.
     """
+    _check_not_capturing(strict, "sample")
     _check_batch(batch)
     n = batch.num_requests
     if logits_index is not None:
@@ -221,7 +240,8 @@ def verify(
         draft_probs: [sum k_i, V'] the drafter's exact sampling distribution.
             Neither given: one-hot drafts (n-gram, prompt lookup, greedy drafters).
         positions: [N] int64 absolute position of each request's first verified token.
-            Required when a request has a user seed.
+            Required when a request has a user seed; when omitted, as in :func:`sample` (the
+            batch's ``fresh_counter``, advanced by 1 per call).
         method: "token" (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1; Chen et al. 2023,
             arXiv 2302.01318, Alg. 2) or "block" (Sun et al. 2024, arXiv 2403.10444, Alg. 2).
         strict: as in :func:`sample`.
@@ -236,11 +256,13 @@ def verify(
     matching the drafts by prefix (exact, and speculation-invariant for seeded requests).
 
     Raises:
-        ValueError: invalid shapes, dtypes, devices, method, or missing positions with seeds.
+        ValueError: invalid shapes, dtypes, devices, method, missing positions with seeds, or
+            strict=True while the current CUDA stream is capturing a graph (checked first).
         SamplingError: with strict=True, invalid data (NaN / +inf logits, a row with no finite
             logit, a draft id outside [0, V) other than -1, an invalid draft row, bans that
             leave no token).
     """
+    _check_not_capturing(strict, "verify")
     _check_batch(batch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                       num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
@@ -272,10 +294,14 @@ def probs(logits: torch.Tensor, batch: SamplingBatch, *, strict: bool = True) ->
         ties); invalid requests zeros.
 
     Raises:
-        ValueError: as :func:`sample` (shapes, dtypes, devices).
+        ValueError: as :func:`sample` (shapes, dtypes, devices), or a call inside CUDA-graph
+            capture (probs() reads error flags on the host whatever ``strict``).
         SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit,
             logit_bias / penalties that overflow a finite logit, or bans that leave no token.
     """
+    if _capturing():
+        raise ValueError("probs() reads error flags on the host and cannot run inside "
+                         "CUDA-graph capture; call it outside the graph")
     _check_batch(batch)
     n = batch.num_requests
     _check_logits_rows(logits, n)
