@@ -129,6 +129,23 @@ def test_filtered_path_matches(kind, method):
     assert path == "triton.verify.filtered"
 
 
+def test_filtered_path_serial_search_fallback():
+    # Rows with more candidates than the select kernel sorts (flat rows, top_k above the tile
+    # count) take the serial search: counted, and the same tokens.
+    before = triton_backend.filter_serial_rows(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    v = 2 * 2048 + 100
+    logits = (torch.randn(4, v, generator=gen) * 0.1).to(DEVICE)  # flat: a huge nucleus
+    params = [SamplingParams(seed=i, **f) for i, f in enumerate(
+        [dict(top_p=0.9), dict(top_k=3000), dict(top_k=2, top_p=0.5), dict(min_p=0.5)])]
+    batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
+    pos = torch.arange(4, device=DEVICE)
+    _, path = _compare(logits, torch.zeros(0, dtype=torch.int64, device=DEVICE), [0] * 4, batch,
+                       pos, {}, "token")
+    assert path == "triton.verify.filtered"
+    assert triton_backend.filter_serial_rows(DEVICE) - before == 2
+
+
 @pytest.mark.parametrize("rows", ["ties", "neg_inf", "equal"])
 def test_filtered_path_edge_rows(rows):
     # Ties at the cut, rows mostly -inf, all-equal rows: the kept set and the tokens match.

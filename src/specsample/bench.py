@@ -334,11 +334,19 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
     raised. The first eager call's output is kept under "output" for acceptance statistics."""
     fn = make_call(case, inp, variant)
     res: dict = {"eager_us": None, "graph_us": None, "peak_temp_mib": None, "paths": {},
-                 "error": None, "graph_error": None}
+                 "error": None, "graph_error": None, "filter_serial_rows": None}
     paths.reset()
     with paths.forbid(*forbidden_paths(cfg.backend, variant)):
         try:
             res["output"] = fn()
+            if cfg.backend == "triton" and case.filters:
+                # rows of one call that took the filter kernels' serial search (a fallback)
+                from . import triton_backend
+
+                before = triton_backend.filter_serial_rows(cfg.device)
+                fn()
+                res["filter_serial_rows"] = triton_backend.filter_serial_rows(
+                    cfg.device) - before
             res["peak_temp_mib"] = peak_temp_mib(fn, cfg.device)
             res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms,
                                       rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)

@@ -106,6 +106,51 @@ def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+FILTER_CAP = 512  # candidates per row the filter select sorts; more take the serial search
+
+
+@functools.lru_cache(maxsize=8)
+def _serial_counter(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def filter_serial_rows(device="cuda") -> int:
+    """How many filtered rows took the filter kernels' serial search (more than FILTER_CAP
+    candidates: flat rows with a large nucleus, or top_k above the number of vocabulary tiles)
+    since the process started on ``device``. Reading it synchronises with the device."""
+    return int(_serial_counter(torch.device(device)).item())
+
+
+def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
+    """Launch the filter kernels (``filters``): gather candidates, select each row's cut,
+    rewrite the tile sums to the survivors'. Returns (cut_v [T] float32, cut_i [T] int32)."""
+    batch, dev = plan.batch, x.device
+    rows = plan.num_rows
+    warps = NUM_WARPS if not _interpreting(dev) else 1
+    sg = max(1, min(nt, filters.S_G_MAX.value,
+                    math.ceil(_num_programs_target(dev) / max(rows, 1))))
+    tps = math.ceil(nt / sg)
+    sg = math.ceil(nt / tps)
+    cand = torch.empty(rows, FILTER_CAP, dtype=torch.int64, device=dev)
+    count = torch.zeros(rows, dtype=torch.int32, device=dev)
+    tail = torch.empty(rows, sg, dtype=torch.float64, device=dev)
+    cut_v = torch.empty(rows, dtype=torch.float32, device=dev)
+    cut_i = torch.empty(rows, dtype=torch.int32, device=dev)
+    row_args = (x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
+                plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
+                *parts, s, tiles[0], tiles[1], tiles[2], nt)
+    meta = dict(CAP=FILTER_CAP, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
+                S_MAX=S_MAX, BLOCK=BLOCK)
+    filters.gather_kernel[(rows, sg)](*row_args, tps, cand, count, tail, **meta,
+                                      num_warps=warps)
+    filters.select_kernel[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
+                                   _serial_counter(dev), **meta, num_warps=warps)
+    filters.rewrite_kernel[(rows, sg)](x, x.stride(0), plan.vocab_size, tiles[0], tiles[1],
+                                       tiles[2], nt, tps, temp, plan.row_req, cut_v, cut_i,
+                                       BLOCK=BLOCK, num_warps=warps)
+    return cut_v, cut_i
+
+
 def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels:
     the fused path, or the general path when a request needs a processor beyond temperature.
@@ -150,21 +195,15 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     y = torch.empty(rows, dtype=torch.int32, device=dev)
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
-    cut_v = cut_i = logz_f = part_m  # (not read unless filtered)
+    cut_v = cut_i = part_m  # (not read unless filtered)
     if filtered:
-        cut_v, logz_f = _planes(2, (rows,), torch.float32, dev)
-        cut_i = torch.empty(rows, dtype=torch.int32, device=dev)
-        filters.filter_kernel[(rows,)](
-            x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
-            plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
-            part_m, part_s, part_f, s, tiles[0], tiles[1], tiles[2], nt, cut_v, cut_i, logz_f,
-            NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype], S_MAX=S_MAX,
-            BLOCK=BLOCK, num_warps=warps)
+        cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
+                                    tiles, nt)
     kernels.sample_kernel[(rows,)](
         x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
         plan.k_given, temp, req_temp,
         batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
-        tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, logz_f, FILTERED=filtered,
+        tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, FILTERED=filtered,
         S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK, num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)

@@ -1,25 +1,26 @@
-"""Triton kernel for min_p / top_k / top_p on the model's own logits (no sort, no FP32 copy).
+"""Triton kernels for min_p / top_k / top_p on the model's own logits (no full sort, no FP32
+copy, no host synchronisation).
 
 Every filter keeps a prefix of the row in rank order (value descending, lower id first on
 ties), so the survivors of a row are described by one cut: the value ``cut_v`` and id ``cut_i``
-of the last kept token (keep ``y > cut_v``, or ``y == cut_v`` and ``id <= cut_i``).
-``filter_kernel`` (one program per row) finds that cut exactly, with the decisions of
-docs/semantics.md ("Filters in float32"):
+of the last kept token (keep ``y > cut_v``, or ``y == cut_v`` and ``id <= cut_i``). The cut is
+found exactly, with the decisions of docs/semantics.md ("Filters in float32"): min_p's cut in
+float64, top_k by rank, top_p on float64 masses. Three launches after the statistics pass:
 
-* min_p: ``y >= m + T log(min_p)``, the cut in float64;
-* top_k: the k-th largest value by a 16-ary search over order-preserving integer keys of the
-  values (bf16 rows need 4 passes, fp16 5, fp32 8 at most), then the tie cut by id;
-* top_p: the same search on the float64 mass of the survivors above a key.
-
-Passes read only the vocabulary tiles whose maximum (from the statistics pass) reaches the
-current search interval, and the interval starts from bounds derived from the per-tile
-statistics: the k-th largest tile maximum for top_k, and for top_p the largest value v for
-which ``sum_t max(0, mass_t - n_t exp((v - m) / T))`` (a lower bound of the mass at or above v)
-already reaches top_p. On peaked LLM rows that is a handful of tiles.
-
-The kernel then rewrites the tile sums of the statistics pass to the survivors' sums (tiles
-without survivors get 0) and writes the survivors' log-normaliser, so the sampling kernels
-draw from the filtered distribution with the same two-level Gumbel-max as without filters.
+1. ``gather_kernel`` (rows x vocabulary splits): a lower bound L of the cut from the per-tile
+   statistics (the k-th largest tile maximum for top_k; for top_p the largest value v at which
+   ``sum_t max(0, mass_t - n_t exp((v - m) / T))``, a lower bound of the mass at or above v,
+   reaches top_p; min_p's own cut), then the candidates (tokens >= L) of the tiles that can
+   hold any, packed as order-preserving (key, id) integers into a per-row buffer of ``CAP``,
+   and the float64 mass below L that top_p's total needs. On LLM rows that is a few tiles and
+   tens to hundreds of candidates.
+2. ``select_kernel`` (one program per row): sorts the row's candidates and reads the cut off
+   them (rank for top_k, a float64 cumulative sum for top_p). A row with more than ``CAP``
+   candidates takes the serial search instead (``_serial_cut``: a 16-ary search over the keys,
+   exact but slow), counted in a device counter (``filter_serial_rows``).
+3. ``rewrite_kernel`` (rows x splits): the tile sums of the statistics pass become the
+   survivors' sums (tiles without survivors get 0), so the sampling kernels draw from the
+   filtered distribution with the same two-level Gumbel-max as without filters.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .kernels import _k_eff, _row_stats
 INT_MAX = tl.constexpr(2147483647)
 NQ = tl.constexpr(16)  # thresholds evaluated per pass of the search
 SUB = tl.constexpr(512)  # elements per step inside a tile
+S_G_MAX = tl.constexpr(128)  # most gather splits of one row
 
 
 @triton.jit
@@ -152,17 +154,12 @@ def _tile_masses(tilemax_ptr, tilesum_ptr, r, NT, toffs, m, t):
     return tl.where(has, tl.exp((tl.where(has, tm, m) - m) / t) * ts, 0.0)
 
 
-@triton.jit(do_not_specialize=["S", "NT"])
-def filter_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
-                  k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                  part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
-                  NT, cut_v_ptr, cut_i_ptr, logz_ptr,
-                  NT_PAD: tl.constexpr, SHIFT: tl.constexpr, S_MAX: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p, the tile
-    sums rewritten to the survivors', and the survivors' log-normaliser ``logz``. Rows that are
-    not live, greedy, invalid or unfiltered get cut (-inf, INT_MAX) and their plain logz."""
-    r = tl.program_id(0)
+@triton.jit
+def _row_setup(r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr,
+               temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_m_ptr, part_s_ptr, part_f_ptr, S,
+               S_MAX: tl.constexpr):
+    """A row's filter settings: (ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on); ok when
+    the row is live, sampled, valid and filtered."""
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
@@ -172,103 +169,246 @@ def filter_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     top_k = tl.load(top_k_ptr + req)
     top_p = tl.load(top_p_ptr + req)
     min_p = tl.load(min_p_ptr + req)
-    filtered = (min_p > 0) | ((top_k > 0) & (top_k < V)) | (top_p < 1)
-    ok = live & (t_req > 0) & filtered & (m > -float("inf")) & (m < float("inf")) & (
-        logz == logz)
+    k_on = (top_k > 0) & (top_k < V)
+    p_on = top_p < 1
+    min_on = min_p > 0
+    ok = live & (t_req > 0) & (k_on | p_on | min_on) & (m > -float("inf")) & (
+        m < float("inf")) & (logz == logz)
+    return ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on
+
+
+@triton.jit
+def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
+            tiletop_ptr, NT, NT_PAD: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """(tile maximum keys [NT_PAD], their offsets, the smallest finite key, min_p's cut key,
+    the candidates' lower bound L, the lowest key whose tiles must be read R)."""
+    toffs = tl.arange(0, NT_PAD)
+    tt = tl.load(tiletop_ptr + r.to(tl.int64) * NT + toffs, mask=toffs < NT,
+                 other=-float("inf"))
+    ttop_key = _key(tt, SHIFT)
+    lowest = _key(tl.full((), -float("inf"), tl.float32), SHIFT) + 1
+    c_key = lowest
+    if min_on:  # keep y >= m + T log(min_p) (float64): the smallest key at or above it
+        c64 = m.to(tl.float64) + t.to(tl.float64) * tl.log(min_p)
+        c_key = _key(c64.to(tl.float32), SHIFT)  # truncated to the dtype: may be one step low
+        c_key += tl.where(_value(c_key, SHIFT).to(tl.float64) < c64, 1, 0)
+        c_key = tl.maximum(c_key, lowest)
+    lo = c_key
+    if k_on:
+        if top_k <= NT:
+            srt = tl.sort(ttop_key, descending=True)
+            lo = tl.maximum(lo, _pick(srt, toffs, top_k - 1))
+    elif p_on:
+        tmass = _tile_masses(tilemax_ptr, tilesum_ptr, r, NT, toffs, m, t)
+        goal = top_p.to(tl.float32) * tl.sum(tmass, axis=0) * 1.0001
+        lo_d = 0.0
+        hi_d = 128.0
+        for _ in range(0, 30):  # smallest delta whose lower-bound mass reaches the goal
+            mid = 0.5 * (lo_d + hi_d)
+            lb = tl.sum(tl.maximum(tmass * 0.9999 - BLOCK * tl.exp(-mid), 0.0), axis=0)
+            reach = lb >= goal
+            hi_d = tl.where(reach, mid, hi_d)
+            lo_d = tl.where(reach, lo_d, mid)
+        lo_p = tl.where(hi_d < 128.0, _key(m - t * hi_d, SHIFT) - 1, lowest)
+        lo = tl.maximum(lo, lo_p)
+    read = tl.where((~k_on) & p_on & min_on, c_key, lo)
+    return ttop_key, toffs, lowest, c_key, lo, read
+
+
+@triton.jit(do_not_specialize=["S", "NT", "TPS"])
+def gather_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+                  k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                  part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
+                  NT, TPS, cand_ptr, count_ptr, tail_ptr, CAP: tl.constexpr,
+                  NT_PAD: tl.constexpr, SHIFT: tl.constexpr, S_MAX: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Per (row, split of TPS tiles): append the candidates (key >= L) to the row's buffer
+    (``count`` [T] must be zero before) and write the float64 mass of the tokens below L that
+    top_p's total needs (``tail`` [T, splits])."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
+        r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
+        top_k_ptr, top_p_ptr, min_p_ptr, part_m_ptr, part_s_ptr, part_f_ptr, S, S_MAX)
+    tail = tl.zeros((), tl.float64)
+    if ok & (k_on | p_on):
+        ttop_key, toffs, lowest, c_key, lo, read = _bounds(
+            r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
+            tiletop_ptr, NT, NT_PAD, SHIFT, BLOCK)
+        need_tail = p_on & ~k_on
+        row_off = r.to(tl.int64) * stride
+        for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
+            tk = _pick(ttop_key, toffs, tile)
+            if tk >= read:
+                for sub in tl.static_range(0, BLOCK, SUB):
+                    offs = tile * BLOCK + sub + tl.arange(0, SUB)
+                    y, k, _alive = _load_keys(x_ptr, row_off, V, offs, lowest, 0, SHIFT)
+                    cand = (k >= lo) & (offs < V)
+                    n = tl.sum(cand.to(tl.int32), axis=0)
+                    if n > 0:
+                        base = tl.atomic_add(count_ptr + r, n)
+                        pos = base + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                        packed = (k << 32) + (2147483647 - offs.to(tl.int64))
+                        tl.store(cand_ptr + r.to(tl.int64) * CAP + pos, packed,
+                                 mask=cand & (pos < CAP))
+                    if need_tail:
+                        e = tl.exp((y.to(tl.float64) - m.to(tl.float64)) / t.to(tl.float64))
+                        below = (k < lo) & (k >= c_key) & (y > -float("inf"))
+                        tail += tl.sum(tl.where(below, e, 0.0), axis=0)
+            elif need_tail & ~min_on:  # a tile wholly below L: its mass from the statistics
+                o_t = r.to(tl.int64) * NT + tile
+                tm = tl.load(tilemax_ptr + o_t)
+                ts = tl.load(tilesum_ptr + o_t)
+                tail += tl.where((ts > 0) & (tm > -float("inf")),
+                                 tl.exp((tm - m) / t) * ts, 0.0).to(tl.float64)
+    tl.store(tail_ptr + r.to(tl.int64) * tl.num_programs(1) + s, tail)
+
+
+@triton.jit
+def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs, NT,
+                lowest, c_key, tilemax_ptr, tilesum_ptr, r, SHIFT: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """The cut (key, id) by the serial 16-ary search (rows with too many candidates)."""
+    cut_key = c_key
+    cut_i = INT_MAX + 0 * r
+    hi = _key(m, SHIFT) + 1
+    m64 = m.to(tl.float64)
+    t64 = t.to(tl.float64)
+    if k_on:  # the k-th largest survivor; start from the k-th largest tile maximum
+        lo = cut_key
+        if top_k <= NT:
+            srt = tl.sort(ttop_key, descending=True)
+            lo = tl.maximum(lo, _pick(srt, toffs, top_k - 1))
+        kk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, top_k, 0.0, m, t,
+                     cut_key, cut_i, False, SHIFT, BLOCK)
+        if kk >= lo:  # else fewer than k survivors: no cut
+            above, _m = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
+                                    tl.zeros([NQ], tl.int64) + kk + 1, kk + 1, m, t,
+                                    cut_key, cut_i, False, SHIFT, BLOCK)
+            need = top_k - tl.max(above, axis=0)
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, kk, need, cut_key,
+                             cut_i, SHIFT, BLOCK)
+            cut_key = kk
+    if p_on:  # top_p over the survivors so far, from the lowest surviving key
+        cnt0, mass0 = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
+                                  tl.zeros([NQ], tl.int64) + lowest, cut_key, m, t,
+                                  cut_key, cut_i, True, SHIFT, BLOCK)
+        total = tl.max(mass0, axis=0)
+        goal64 = top_p * total
+        pk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, cut_key, hi, 0, goal64, m, t,
+                     cut_key, cut_i, True, SHIFT, BLOCK)
+        q = tl.arange(0, NQ)
+        thr = tl.where(q == 0, pk + 1, pk)
+        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, pk, m, t,
+                                cut_key, cut_i, True, SHIFT, BLOCK)
+        mass_gt = _pick(mass, q, 0)
+        n_gt = _pick(cnt, q, 0)
+        n_tie = _pick(cnt, q, 1) - n_gt
+        e = tl.exp((_value(pk, SHIFT).to(tl.float64) - m64) / t64)
+        n = _ties_kept(mass_gt, e, goal64, n_tie)
+        cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, pk, n, cut_key, cut_i,
+                         SHIFT, BLOCK)
+        cut_key = pk
+    return cut_key, cut_i
+
+
+@triton.jit
+def _ties_kept(mass_gt, e, goal, n_tie):
+    """How many of ``n_tie`` tokens of mass ``e`` each (after ``mass_gt``) top_p keeps: tie j
+    (0-based) is kept iff mass_gt + j e < goal; at least 1 (the boundary token)."""
+    r = tl.minimum((goal - mass_gt) / tl.where(e > 0, e, 1.0), 1e9)
+    n = tl.ceil(r).to(tl.int32)
+    n = tl.where(mass_gt + (n - 1).to(tl.float64) * e < goal, n, n - 1)
+    n = tl.where(mass_gt + n.to(tl.float64) * e < goal, n + 1, n)
+    n = tl.where(e > 0, n, n_tie)
+    return tl.minimum(tl.maximum(n, 1), n_tie)
+
+
+@triton.jit(do_not_specialize=["S", "NT"])
+def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+                  k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                  part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
+                  NT, SG, cand_ptr, count_ptr, tail_ptr, cut_v_ptr, cut_i_ptr, serial_ptr,
+                  CAP: tl.constexpr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
+                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
+    row's sorted candidates (or the serial search when they overflowed ``CAP``). Rows that are
+    not live, greedy, invalid or unfiltered get (-inf, INT_MAX)."""
+    r = tl.program_id(0)
+    ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
+        r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
+        top_k_ptr, top_p_ptr, min_p_ptr, part_m_ptr, part_s_ptr, part_f_ptr, S, S_MAX)
     cut_key = _key(tl.full((), -float("inf"), tl.float32), SHIFT)
     cut_i = INT_MAX + 0 * r
     if ok:
-        row_off = r.to(tl.int64) * stride
-        toffs = tl.arange(0, NT_PAD)
-        tt = tl.load(tiletop_ptr + r.to(tl.int64) * NT + toffs, mask=toffs < NT,
-                     other=-float("inf"))
-        ttop_key = _key(tt, SHIFT)
-        hi = _key(m, SHIFT) + 1
-        lowest = cut_key + 1  # the smallest finite value
-        t64 = t.to(tl.float64)
-        m64 = m.to(tl.float64)
-        # min_p: keep y >= m + T log(min_p) (float64), i.e. key >= key(roundup_f32(cut)).
-        if min_p > 0:
-            c64 = m64 + t64 * tl.log(min_p)
-            c_key = _key(c64.to(tl.float32), SHIFT)  # truncated to the dtype: one step low
-            c_key += tl.where(_value(c_key, SHIFT).to(tl.float64) < c64, 1, 0)
-            cut_key = tl.maximum(c_key, lowest)
-        # top_k: the k-th largest survivor; start from the k-th largest tile maximum.
-        if (top_k > 0) & (top_k < V):
-            lo = tl.maximum(cut_key, lowest)
-            if top_k <= NT:
-                srt = tl.sort(ttop_key, descending=True)
-                lo = tl.maximum(lo, _pick(srt, toffs, top_k - 1))
-            kk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, top_k, 0.0, m, t,
-                         cut_key, cut_i, False, SHIFT, BLOCK)
-            if kk >= lo:  # else fewer than k survivors: no cut
-                above, _m = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
-                                        tl.zeros([NQ], tl.int64) + kk + 1, kk + 1, m, t,
-                                        cut_key, cut_i, False, SHIFT, BLOCK)
-                need = top_k - tl.max(above, axis=0)
-                cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, kk, need, cut_key,
-                                 cut_i, SHIFT, BLOCK)
-                cut_key = kk
-        # top_p over the survivors so far.
-        if top_p < 1:
-            tmass = _tile_masses(tilemax_ptr, tilesum_ptr, r, NT, toffs, m, t)
-            total_row = tl.sum(tmass, axis=0)
-            goal = top_p.to(tl.float32) * total_row * 1.0001
-            lo_d = 0.0
-            hi_d = 128.0
-            for _ in range(0, 30):  # smallest delta whose lower-bound mass reaches the goal
-                mid = 0.5 * (lo_d + hi_d)
-                lb = tl.sum(tl.maximum(tmass * 0.9999 - BLOCK * tl.exp(-mid), 0.0), axis=0)
-                reach = lb >= goal
-                hi_d = tl.where(reach, mid, hi_d)
-                lo_d = tl.where(reach, lo_d, mid)
-            lo_p = tl.where(hi_d < 128.0, _key(m - t * hi_d, SHIFT) - 1, lowest)
-            unbounded = cut_key < lowest  # no min_p / top_k cut: tail tiles from statistics
-            read_key = tl.where(unbounded, tl.maximum(lo_p, lowest), cut_key)
-            cnt0, mass0 = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
-                                      tl.zeros([NQ], tl.int64) + lowest, read_key, m, t,
-                                      cut_key, cut_i, True, SHIFT, BLOCK)
-            tail = tl.sum(tl.where(ttop_key < read_key, tmass, 0.0).to(tl.float64), axis=0)
-            total = tl.max(mass0, axis=0) + tl.where(unbounded, tail, 0.0)
-            goal64 = top_p * total
-            lo = tl.maximum(tl.maximum(lo_p, cut_key), lowest)
-            pk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, 0, goal64, m, t,
-                         cut_key, cut_i, True, SHIFT, BLOCK)
-            if pk < lo:  # the bound was not met (rounding): search from the lowest key
-                pk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, tl.maximum(cut_key, lowest),
-                             lo, 0, goal64, m, t, cut_key, cut_i, True, SHIFT, BLOCK)
-            q = tl.arange(0, NQ)
-            thr = tl.where(q == 0, pk + 1, pk)
-            cnt, mass = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, pk, m, t,
-                                    cut_key, cut_i, True, SHIFT, BLOCK)
-            mass_gt = _pick(mass, q, 0)
-            n_gt = _pick(cnt, q, 0)
-            n_tie = _pick(cnt, q, 1) - n_gt
-            e = tl.exp((_value(pk, SHIFT).to(tl.float64) - m64) / t64)
-            # keep tie j (0-based) iff mass_gt + j e < goal: n = ceil((goal - mass_gt) / e)
-            n = tl.ceil((goal64 - mass_gt) / e).to(tl.int32)
-            n = tl.where(mass_gt + (n - 1).to(tl.float64) * e < goal64, n, n - 1)
-            n = tl.where(mass_gt + n.to(tl.float64) * e < goal64, n + 1, n)
-            n = tl.minimum(tl.maximum(n, 1), n_tie)
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, pk, n, cut_key, cut_i,
-                             SHIFT, BLOCK)
-            cut_key = pk
-        # The survivors' tile sums (same references as the statistics pass) and normaliser.
-        scale = 1.4426950408889634 / t
-        tot = 0.0
-        for tile in range(0, NT):
-            o_t = r.to(tl.int64) * NT + tile
-            ref = tl.load(tilemax_ptr + o_t)
-            acc = 0.0
-            if _pick(ttop_key, toffs, tile) >= cut_key:
-                for sub in tl.static_range(0, BLOCK, SUB):
-                    offs = tile * BLOCK + sub + tl.arange(0, SUB)
-                    y, _k, keep = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
-                    keep &= y > -float("inf")
-                    acc += tl.sum(tl.where(keep, tl.exp2((y - ref) * scale), 0.0), axis=0)
-            tl.store(tilesum_ptr + o_t, acc)
-            tot += tl.where(acc > 0, acc * tl.exp((ref - m) / t), 0.0)
-        logz = tl.log(tot)
+        ttop_key, toffs, lowest, c_key, lo, read = _bounds(
+            r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
+            tiletop_ptr, NT, NT_PAD, SHIFT, BLOCK)
+        cut_key = c_key
+        if k_on | p_on:
+            n_cand = tl.load(count_ptr + r)
+            serial = n_cand > CAP
+            if not serial:
+                slot = tl.arange(0, CAP)
+                packed = tl.load(cand_ptr + r.to(tl.int64) * CAP + slot, mask=slot < n_cand,
+                                 other=-9223372036854775807 - 1)
+                packed = tl.sort(packed, descending=True)  # rank order: value, then lower id
+                keys = packed >> 32
+                ids = (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
+                keep = slot < n_cand
+                if k_on:
+                    keep &= slot < top_k
+                n_keep = tl.sum(keep.to(tl.int32), axis=0)
+                if p_on:
+                    e = tl.exp((_value(keys, SHIFT).to(tl.float64) - m.to(tl.float64))
+                               / t.to(tl.float64))
+                    e = tl.where(keep, e, 0.0)
+                    total = tl.sum(e, axis=0)
+                    if not k_on:
+                        toff = tl.arange(0, S_G_MAX)
+                        total += tl.sum(tl.load(tail_ptr + r.to(tl.int64) * SG + toff,
+                                                mask=toff < SG, other=0.0), axis=0)
+                    before = tl.cumsum(e, axis=0) - e
+                    keep &= before < top_p * total
+                    n_keep = tl.sum(keep.to(tl.int32), axis=0)
+                    # the bound L must hold the nucleus (it always does but for rounding)
+                    serial = (~k_on) & (tl.sum(e, axis=0) < top_p * total)
+                last = slot == n_keep - 1
+                cut_key = tl.sum(tl.where(last, keys, 0), axis=0)
+                cut_i = tl.sum(tl.where(last, ids, 0), axis=0)
+            if serial:
+                tl.atomic_add(serial_ptr, 1)
+                cut_key, cut_i = _serial_cut(x_ptr, r.to(tl.int64) * stride, V, m, t, top_k,
+                                             top_p, k_on, p_on, ttop_key, toffs, NT, lowest,
+                                             c_key, tilemax_ptr, tilesum_ptr, r, SHIFT, BLOCK)
     tl.store(cut_v_ptr + r, _value(cut_key, SHIFT))
     tl.store(cut_i_ptr + r, cut_i)
-    tl.store(logz_ptr + r, logz)
+
+
+@triton.jit(do_not_specialize=["NT", "TPS"])
+def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
+                   row_req_ptr, cut_v_ptr, cut_i_ptr, BLOCK: tl.constexpr):
+    """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf): each tile's sum becomes
+    the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's reference
+    ``ref``; tiles whose maximum is below the cut get 0."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    cut_v = tl.load(cut_v_ptr + r)
+    cut_i = tl.load(cut_i_ptr + r)
+    if cut_v > -float("inf"):
+        t = tl.load(temp_ptr + tl.load(row_req_ptr + r))
+        scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
+        row_off = r.to(tl.int64) * stride
+        for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
+            o_t = r.to(tl.int64) * NT + tile
+            acc = 0.0
+            if tl.load(tiletop_ptr + o_t) >= cut_v:
+                ref = tl.load(tilemax_ptr + o_t)
+                for sub in tl.static_range(0, BLOCK, SUB):
+                    offs = tile * BLOCK + sub + tl.arange(0, SUB)
+                    y = tl.load(x_ptr + row_off + offs, mask=offs < V,
+                                other=-float("inf")).to(tl.float32)
+                    keep = ((y > cut_v) | ((y == cut_v) & (offs <= cut_i))) & (
+                        y > -float("inf"))
+                    acc += tl.sum(tl.where(keep, tl.exp2((y - ref) * scale), 0.0), axis=0)
+            tl.store(tilesum_ptr + o_t, acc)

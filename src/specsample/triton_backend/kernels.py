@@ -263,6 +263,21 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
 
 
 @triton.jit
+def _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t):
+    """log sum_t exp((ref_t - m) / t) sum_t: the row's log-normaliser from its tile sums."""
+    total = 0.0
+    for c in range(0, NT, NT_CHUNK):
+        offs = c + tl.arange(0, NT_CHUNK)
+        ok = offs < NT
+        o = r.to(tl.int64) * NT + offs
+        tm = tl.load(tilemax_ptr + o, mask=ok, other=-float("inf"))
+        ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
+        has = ok & (ts > 0) & (tm > -float("inf"))
+        total += tl.sum(tl.where(has, tl.exp((tl.where(has, tm, m) - m) / t) * ts, 0.0), axis=0)
+    return tl.log(total)
+
+
+@triton.jit
 def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Lowest token id of row ``r`` whose value is the row max ``m`` (greedy argmax): the max
     lies in the first chunk whose reference (its max) equals ``m``; scan that chunk's tiles."""
@@ -287,13 +302,13 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, req_temp_ptr,
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
-                  cut_v_ptr, cut_i_ptr, logz_f_ptr, FILTERED: tl.constexpr,
+                  cut_v_ptr, cut_i_ptr, FILTERED: tl.constexpr,
                   S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact two-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
-    FILTERED: ``filters.filter_kernel`` ran first; the log-normaliser and the tile sums are the
-    survivors' and the draw is restricted to the row's cut."""
+    FILTERED: the filter kernels (``filters``) ran first; a filtered row's tile sums are the
+    survivors', its log-normaliser is taken from them, and its draw is restricted to the cut."""
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
@@ -308,7 +323,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     if FILTERED:
         cut_v = tl.load(cut_v_ptr + r)
         cut_i = tl.load(cut_i_ptr + r)
-        logz = tl.load(logz_f_ptr + r)
+        if cut_v > -float("inf"):
+            logz = _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t)
     if ok & (tl.load(req_temp_ptr + req) > 0):
         y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
                           tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
