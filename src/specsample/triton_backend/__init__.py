@@ -5,10 +5,10 @@ Paths (``specsample.paths``):
 * ``triton.sample.fused`` / ``triton.verify.fused``: the kernels read the model's own bf16 /
   fp16 / fp32 logits, temperature applied inside; no FP32 [rows, V] buffer, no host sync.
 * ``triton.sample.filtered`` / ``triton.verify.filtered``: the fused path with min_p / top_k /
-  top_p: ``filters.filter_kernel`` finds each row's cut exactly from the model's own logits
-  (no sort, no FP32 copy), then the same kernels draw from the survivors.
-* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias or
-  penalties; the processed float32 logits are materialised by ``specsample.processing``
+  top_p: the kernels of ``filters`` find each row's cut exactly from the model's own logits
+  (no sort of the row, no FP32 copy), then the same kernels draw from the survivors.
+* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias,
+  penalties or bans; the processed float32 logits are materialised by ``specsample.processing``
   (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.logprobs``: logprobs were asked for; the emitted rows are gathered and their
   log-distributions computed with PyTorch from the kernels' row statistics.

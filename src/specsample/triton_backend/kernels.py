@@ -224,8 +224,8 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
 
 @triton.jit
 def _survives(x, offs, cut_v, cut_i):
-    """The filters' survivors (``filters.filter_kernel``): a prefix of the row in rank order,
-    up to the token (cut_v, cut_i). Unfiltered rows have cut (-inf, INT_MAX)."""
+    """The filters' survivors (the cut of ``filters.select_kernel``): a prefix of the row in
+    rank order, up to the token (cut_v, cut_i). Unfiltered rows have cut (-inf, INT_MAX)."""
     return (x > cut_v) | ((x == cut_v) & (offs <= cut_i))
 
 
