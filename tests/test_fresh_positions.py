@@ -194,3 +194,17 @@ def test_strict_outside_capture_is_not_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     batch = _unseeded(n=2)
     assert sample(torch.randn(2, V), batch).token_ids.shape == (2,)
+
+
+@pytest.mark.parametrize("case", ["general", "torch"])
+def test_uncapturable_paths_refuse_inside_capture(monkeypatch, case):
+    # The general path (bias / penalties / bans) and the torch backend synchronise with the
+    # host: inside CUDA-graph capture they refuse with a clear error instead of a CUDA error.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch" if case == "torch" else "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    extra = {"logit_bias": {1: 0.5}} if case == "general" else {}
+    batch = SamplingBatch.from_params([SamplingParams(seed=1, **extra)], vocab_size=8)
+    match = "general path" if case == "general" else "torch backend"
+    with pytest.raises(ValueError, match=match):
+        specsample.sample(torch.zeros(1, 8), batch, positions=torch.tensor([0]), strict=False)

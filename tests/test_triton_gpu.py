@@ -217,3 +217,87 @@ def test_cuda_graph_replays_draw_fresh_noise_without_positions():
             specsample.verify(logits, drafts, ks, batch, strict=True)
     torch.cuda.synchronize()
     assert int(batch.fresh_counter) == c0 + replays
+
+
+def _capture_case(kind, seed, vocab=151936):
+    """Inputs of every option at once: greedy, seeded and unseeded sampled requests, filters,
+    logprobs raw and processed, draft counts 0..4 and a placeholder."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = [0, 1, 2, 3, 4, 4, 2, 3]
+    n = len(ks)
+    logits = _realistic(n + sum(ks), vocab, gen, torch.bfloat16)
+    drafts = torch.randint(0, vocab, (sum(ks),), generator=gen)
+    top = logits.float().argmax(-1).cpu()
+    r = s = 0
+    for k in ks:  # the target's argmax often, so that drafts are accepted
+        for j in range(k):
+            if torch.rand((), generator=gen) < 0.7:
+                drafts[s + j] = top[r + j]
+        r, s = r + k + 1, s + k
+    drafts[sum(ks[:5]) + 2] = -1  # request 5: a placeholder at draft 2
+    extra = {}
+    draft_rows = torch.cat([logits[sum(ks[:i]) + i:sum(ks[:i]) + i + ks[i]] for i in range(n)])
+    noisy = draft_rows.float() + torch.randn(draft_rows.shape, generator=gen).to("cuda")
+    if kind == "draft_logits":
+        extra["draft_logits"] = noisy.to(torch.bfloat16)
+    elif kind == "draft_probs":
+        extra["draft_probs"] = torch.softmax(noisy, -1)
+    pos = torch.randint(0, 2**40, (n,), generator=gen).to("cuda")
+    return logits, drafts.to("cuda"), ks, pos, extra
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_capture_and_replay_every_option(kind, method):
+    # One captured verify() with every option a fused batch can set, replayed twice with new
+    # data copied into the same buffers: the tokens, counts and logprobs equal eager calls.
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.7, seed=3, top_k=20, top_p=0.8, logprobs=3,
+                             logprobs_mode="processed"),
+              SamplingParams(temperature=1.0),  # unseeded: its random seed, given positions
+              SamplingParams(temperature=0.6, seed=5, top_p=0.9, logprobs=0),
+              SamplingParams(temperature=1.0, seed=6, min_p=0.1, logprobs=1,
+                             logprobs_mode="processed"),
+              SamplingParams(temperature=1.0, seed=7, top_k=50),
+              SamplingParams(temperature=1.3, seed=8),
+              SamplingParams(temperature=0.0, top_k=5)]
+    batch = SamplingBatch.from_params(params, vocab_size=151936, device="cuda")
+    logits, d, ks, pos, extra = _capture_case(kind, 1)
+    static = {"logits": logits.clone(), "d": d.clone(), "pos": pos.clone(),
+              **{k: v.clone() for k, v in extra.items()}}
+
+    def call(logits=None, d=None, pos=None, **dist):
+        if logits is None:
+            logits, d, pos = static["logits"], static["d"], static["pos"]
+            dist = {k: static[k] for k in extra}
+        return specsample.verify(logits, d, ks, batch, positions=pos, method=method,
+                                 strict=False, **dist)
+
+    graph, graph_out = capture_graph(call)
+    for seed in (2, 3):
+        logits2, d2, _, pos2, extra2 = _capture_case(kind, seed)
+        static["logits"].copy_(logits2)
+        static["d"].copy_(d2)
+        static["pos"].copy_(pos2)
+        for k, v in extra2.items():
+            static[k].copy_(v)
+        graph.replay()
+        eager = call(logits2, d2, pos2, **extra2)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out.token_ids, eager.token_ids)
+        assert torch.equal(graph_out.num_accepted, eager.num_accepted)
+        assert torch.equal(graph_out.logprob_token_ids, eager.logprob_token_ids)
+        assert torch.equal(graph_out.logprobs, eager.logprobs)
+        assert int(eager.num_accepted[5]) <= 2  # the placeholder ends request 5's drafts
+
+
+def test_capture_refuses_the_general_path():
+    batch = SamplingBatch.from_params([SamplingParams(seed=1, logit_bias={3: 1.0})],
+                                      vocab_size=1024, device="cuda")
+    logits = torch.randn(1, 1024, device="cuda")
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    specsample.sample(logits, batch, positions=pos, strict=False)  # eager: fine
+    with pytest.raises(ValueError, match="general path"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            specsample.sample(logits, batch, positions=pos, strict=False)
+    torch.cuda.synchronize()

@@ -61,9 +61,25 @@ def _draft_kind(plan: Plan) -> str:
     return "onehot"
 
 
+def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str) -> None:
+    """ValueError when a call that synchronises with the host runs inside CUDA-graph capture
+    (the capture would fail later with an opaque CUDA error)."""
+    if not _capturing():
+        return
+    if backend == "torch":
+        raise ValueError(f"{op}() on the torch backend synchronises with the host and cannot "
+                         "run inside CUDA-graph capture; use the triton backend on CUDA")
+    if batch.needs_general_path:
+        raise ValueError(f"{op}(): logit_bias, penalties and bans take the general path "
+                         "(PyTorch processing with host synchronisation), which cannot run "
+                         "inside CUDA-graph capture; temperature, min_p, top_k, top_p and "
+                         "logprobs can")
+
+
 def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     backend = select_backend(plan.logits.device)
     batch = plan.batch
+    _refuse_uncapturable(backend, batch, op)
     n_greedy = sum(p.greedy for p in batch.params)
     # Recorded before running, so that a forbidden path raises before doing any work.
     if backend == "triton":
