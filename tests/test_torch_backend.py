@@ -238,3 +238,19 @@ def test_zz_mismatch_rate_is_tiny():
         pytest.skip("run with the hypothesis tests above")
     print(f"\nbackend vs reference: {STATS}")
     assert STATS["mismatch"] <= max(3, STATS["requests"] // 200), STATS
+
+
+def test_top_n_logprobs_ties_lower_id_first_without_sort():
+    from specsample.torch_backend import top_n_logprobs
+
+    lp = torch.tensor([[0.0, 1.0, 1.0, 1.0, -math.inf, 1.0], [-0.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    vals, ids = top_n_logprobs(lp, 2)
+    assert ids.tolist() == [[1, 2], [0, 1]]  # -0.0 and 0.0 tie: the lower id first
+    vals, ids = top_n_logprobs(lp[:, :3], 5)  # more than V: padded
+    assert ids[0].tolist() == [1, 2, 0, -1, -1] and math.isinf(float(vals[0, -1]))
+    # many ties (values rounded to bf16 steps) against a stable sort
+    g = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(16, 300, generator=g).to(torch.bfloat16).float(), -1)
+    want_v, want_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+    vals, ids = top_n_logprobs(lp, 20)
+    assert torch.equal(ids, want_i[:, :20]) and torch.equal(vals, want_v[:, :20])

@@ -205,40 +205,62 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     return tau, rho.gather(1, tau[:, None]).squeeze(1)
 
 
+def top_n_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest entries of each row of ``lp`` [R, V] (float32) and their ids, ordered by
+    value then lower id first (ties), padded with -inf / -1 when n > V. No sort of the row:
+    one top-k over int64 keys (an order-preserving integer of the value, then V - 1 - id), so
+    the tie rule holds exactly and nothing synchronises with the host."""
+    r, v = lp.shape
+    k = min(n, v)
+    bits = (lp + 0.0).view(torch.int32).to(torch.int64)  # (+ 0.0: -0.0 ties with 0.0)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) * 2**32 + (
+        v - 1 - torch.arange(v, device=lp.device))
+    ids = (v - 1) - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
+    vals = lp.gather(1, ids)
+    if n > k:  # more logprobs asked than V: pad with -inf / -1
+        vals = torch.nn.functional.pad(vals, (0, n - k), value=-math.inf)
+        ids = torch.nn.functional.pad(ids, (0, n - k), value=-1)
+    return vals, ids
+
+
 def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens: torch.Tensor,
                      emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs).
 
     ``processed_logprobs(flat_rows)`` returns the [R, V] float32 processed log-distribution of
-    target rows ``flat_rows``; raw logprobs are log_softmax of ``plan.logits``.
+    target rows ``flat_rows``, and ``processed_logprobs(flat_rows, tokens)`` only its [R]
+    entries at ``tokens``; raw logprobs are log_softmax of ``plan.logits``. With n = 0 (the
+    emitted token only) processed values are gathered (no [R, V] work); raw ones need one
+    log_softmax of the rows. Top-n comes from one top-k (:func:`top_n_logprobs`), no sort.
     ``rows``: [N, K+1] target row of each position; ``tokens``: [N, K+1] emitted ids;
     ``emitted``: [N, K+1] bool.
     """
     batch = plan.batch
     n = batch.max_logprobs
     flat = rows.reshape(-1)
-    processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
-    if not batch.any_processed_logprobs:
-        lp = torch.log_softmax(plan.logits[flat].float(), dim=-1)
-    elif all(p.logprobs_mode == "processed" for p in batch.params):
-        # (column 0 of a request without logprobs follows its own logprobs_mode too)
-        lp = processed_logprobs(flat)
-    else:
-        lp = torch.where(processed[:, None], processed_logprobs(flat),
-                         torch.log_softmax(plan.logits[flat].float(), dim=-1))
     tok = tokens.reshape(-1).clamp_min(0)
-    col0 = lp.gather(1, tok[:, None])
-    if n > 0:
-        top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-        top_v, top_i = top_v[:, :n], top_i[:, :n]
-        if n > top_v.shape[1]:  # more logprobs asked than V: pad with -inf / -1
-            pad = n - top_v.shape[1]
-            top_v = torch.nn.functional.pad(top_v, (0, pad), value=-math.inf)
-            top_i = torch.nn.functional.pad(top_i, (0, pad), value=-1)
-        vals = torch.cat([col0, top_v], dim=1)
-        ids = torch.cat([tok[:, None], top_i], dim=1)
+    processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
+    all_processed = all(p.logprobs_mode == "processed" for p in batch.params)
+    # (column 0 of a request without logprobs follows its own logprobs_mode too)
+    if n == 0:
+        col0 = processed_logprobs(flat, tok) if batch.any_processed_logprobs else None
+        if not all_processed:
+            # (log_softmax, not x - logsumexp: its per-row reduction does not depend on R,
+            # which keeps the values batch invariant)
+            raw = torch.log_softmax(plan.logits[flat].float(), dim=-1).gather(1, tok[:, None])[:, 0]
+            col0 = raw if col0 is None else torch.where(processed, col0, raw)
+        vals, ids = col0[:, None], tok[:, None]
     else:
-        vals, ids = col0, tok[:, None]
+        if not batch.any_processed_logprobs:
+            lp = torch.log_softmax(plan.logits[flat].float(), dim=-1)
+        elif all_processed:
+            lp = processed_logprobs(flat)
+        else:
+            lp = torch.where(processed[:, None], processed_logprobs(flat),
+                             torch.log_softmax(plan.logits[flat].float(), dim=-1))
+        top_v, top_i = top_n_logprobs(lp, n)
+        vals = torch.cat([lp.gather(1, tok[:, None]), top_v], dim=1)
+        ids = torch.cat([tok[:, None], top_i], dim=1)
     vals = vals.reshape(*rows.shape, n + 1)
     ids = ids.reshape(*rows.shape, n + 1)
     col = torch.arange(n + 1, device=rows.device)
@@ -367,7 +389,9 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
-        logprobs, logprob_ids = emitted_logprobs(
-            plan, lambda r: z[r] - lse[r, None], rows, token_ids, emitted)
+        def processed(r: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+            return z[r] - lse[r, None] if t is None else z[r, t] - lse[r]
+
+        logprobs, logprob_ids = emitted_logprobs(plan, processed, rows, token_ids, emitted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                         logprob_token_ids=logprob_ids, invalid=invalid), err

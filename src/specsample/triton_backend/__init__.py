@@ -247,15 +247,19 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
         t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
 
-        def processed(flat: torch.Tensor) -> torch.Tensor:
+        def processed(flat: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor:
+            # [R, V] processed logprobs of rows ``flat`` from the kernels' row statistics, or
+            # only their [R] entries at ``tok`` (one gathered logit per row).
+            if tok is None:
+                xf, ids = x[flat].float(), torch.arange(x.shape[1], device=dev)[None, :]
+            else:
+                xf, ids = x[flat, tok].float()[:, None], tok[:, None]
             m, logz = stats[flat, 0:1], stats[flat, 1:2]
-            xf = x[flat].float()
             lp = (xf - m) / t_eff[flat, None] - logz
             if filtered:
-                ids = torch.arange(xf.shape[1], device=dev)
                 cv, ci = cut_v[flat, None], cut_i[flat, None]
                 lp = lp.masked_fill(~((xf > cv) | ((xf == cv) & (ids <= ci))), -math.inf)
-            return lp
+            return lp if tok is None else lp[:, 0]
 
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
