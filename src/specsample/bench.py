@@ -58,13 +58,17 @@ COPY_BYTES_CPU = 256 * 2**20
 ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probability
 DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
 NOOP_BIAS = {0: 0.0}  # logit_bias that forces the general path and changes no logit
-#: Filter cases (label -> temperature and filters): the defaults of common open models' generation
-#: configs and of engines' users.
-FILTER_CASES = {
+#: Option cases (label -> temperature and SamplingParams fields): the filters of common open
+#: models' generation configs, and the logprobs that API servers and RL rollouts ask for.
+OPTION_CASES = {
     "T0.7+k20+p0.8": (0.7, dict(top_k=20, top_p=0.8)),
     "T0.6+p0.9": (0.6, dict(top_p=0.9)),
     "T1.0+minp0.1": (1.0, dict(min_p=0.1)),
     "T1.0+k50": (1.0, dict(top_k=50)),
+    "lp0-raw": (1.0, dict(logprobs=0)),
+    "lp0-processed": (1.0, dict(logprobs=0, logprobs_mode="processed")),
+    "lp5-raw": (1.0, dict(logprobs=5)),
+    "lp20-processed": (1.0, dict(logprobs=20, logprobs_mode="processed")),
 }
 
 # Performance targets (GPU, graph replay; docs/design.md).
@@ -164,12 +168,12 @@ class Case:
     k: int
     vocab: int
     dtype: str
-    filters: str = ""  # a FILTER_CASES label (its temperature replaces ``temperature``)
+    options: str = ""  # an OPTION_CASES label (its temperature replaces ``temperature``)
 
     @property
     def name(self) -> str:
         kind = self.draft or "sample"
-        setting = self.filters or f"T={self.temperature}"
+        setting = self.options or f"T={self.temperature}"
         return f"{self.op}/{kind}/{setting}/B={self.batch}"
 
 
@@ -184,8 +188,8 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     gen.manual_seed(seed)
     n, k = case.batch, (case.k if case.op == "verify" else 0)
     extra = {}
-    if case.filters:
-        t_case, extra = FILTER_CASES[case.filters]
+    if case.options:
+        t_case, extra = OPTION_CASES[case.options]
         temps = [t_case] * n
     else:
         temps = request_temperatures(case.temperature, n)
@@ -339,7 +343,7 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
     with paths.forbid(*forbidden_paths(cfg.backend, variant)):
         try:
             res["output"] = fn()
-            if cfg.backend == "triton" and case.filters:
+            if cfg.backend == "triton" and case.options:
                 # rows of one call that took the filter kernels' serial search (a fallback)
                 from . import triton_backend
 
@@ -459,9 +463,9 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
     cases += [Case("sample", None, t, b, 0, args.sample_vocab, args.dtype)
               for t in args.temperatures for b in args.sample_batch_sizes]
     cases += [Case("verify", "onehot", "", b, args.k, args.vocab, args.dtype, f)
-              for f in args.filters for b in args.batch_sizes]
+              for f in args.options for b in args.batch_sizes]
     cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
-              for f in args.filters for b in args.sample_batch_sizes]
+              for f in args.options for b in args.sample_batch_sizes]
     return cases
 
 
@@ -528,7 +532,7 @@ def plot(results: list[dict], path: Path) -> bool:
         return False
     kinds = list(dict.fromkeys((r["op"], r["draft"]) for r in results))
     def setting(r: dict) -> str:
-        return r.get("filters") or f"T={r['temperature']}"
+        return r.get("options") or f"T={r['temperature']}"
 
     temps = list(dict.fromkeys(setting(r) for r in results))
     fig, axes = plt.subplots(len(kinds), len(temps), figsize=(4.5 * len(temps),
@@ -615,12 +619,12 @@ def _temp_list(text: str) -> list[str]:
     return labels
 
 
-def _filter_list(text: str) -> list[str]:
+def _option_list(text: str) -> list[str]:
     labels = [] if text == "none" else [x for x in text.split(",") if x]
-    bad = [x for x in labels if x not in FILTER_CASES]
+    bad = [x for x in labels if x not in OPTION_CASES]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown filter case {bad[0]!r}; choose from "
-                                         + ", ".join(FILTER_CASES))
+        raise argparse.ArgumentTypeError(f"unknown option case {bad[0]!r}; choose from "
+                                         + ", ".join(OPTION_CASES))
     return labels
 
 
@@ -641,9 +645,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=_temp_list, default=list(TEMPERATURE_LABELS),
                    metavar="T,T,...", help="temperatures; 'mix' = alternating 0 and 1 "
                    "(default 0.7,1.0,mix)")
-    p.add_argument("--filters", type=_filter_list, default=list(FILTER_CASES),
-                   metavar="LABEL,...", help="filter cases (one-hot verify and sample): "
-                   + ", ".join(FILTER_CASES) + " (default: all; 'none' for none)")
+    p.add_argument("--options", type=_option_list, default=list(OPTION_CASES),
+                   metavar="LABEL,...", help="option cases (one-hot verify and sample): "
+                   + ", ".join(OPTION_CASES) + " (default: all; 'none' for none)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the target and draft logits (bfloat16)")
     p.add_argument("--quick", action="store_true",
