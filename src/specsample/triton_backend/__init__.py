@@ -106,7 +106,10 @@ def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-FILTER_CAP = 512  # candidates per row the filter select sorts; more take the serial search
+# Candidates per row that the filter select kernel sorts; more take the serial search. (Triton's
+# interpreter runs tl.sort element by element, so the CPU test suite sorts 64.)
+FILTER_CAP = 512
+FILTER_CAP_INTERPRETED = 64
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,7 +119,8 @@ def _serial_counter(device: torch.device) -> torch.Tensor:
 
 def filter_serial_rows(device="cuda") -> int:
     """How many filtered rows took the filter kernels' serial search (more than FILTER_CAP
-    candidates: flat rows with a large nucleus, or top_k above the number of vocabulary tiles)
+    candidates, 512 on CUDA: flat rows with a large nucleus, or top_k above the number of
+    vocabulary tiles)
     since the process started on ``device``. Reading it synchronises with the device."""
     return int(_serial_counter(torch.device(device)).item())
 
@@ -131,7 +135,8 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
                     math.ceil(_num_programs_target(dev) / max(rows, 1))))
     tps = math.ceil(nt / sg)
     sg = math.ceil(nt / tps)
-    cand = torch.empty(rows, FILTER_CAP, dtype=torch.int64, device=dev)
+    cap = FILTER_CAP_INTERPRETED if _interpreting(dev) else FILTER_CAP
+    cand = torch.empty(rows, cap, dtype=torch.int64, device=dev)
     count = torch.zeros(rows, dtype=torch.int32, device=dev)
     tail = torch.empty(rows, sg, dtype=torch.float64, device=dev)
     cut_v = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -139,7 +144,7 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
     row_args = (x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
                 plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
                 *parts, s, tiles[0], tiles[1], tiles[2], nt)
-    meta = dict(CAP=FILTER_CAP, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
+    meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
                 S_MAX=S_MAX, BLOCK=BLOCK)
     filters.gather_kernel[(rows, sg)](*row_args, tps, cand, count, tail, **meta,
                                       num_warps=warps)
