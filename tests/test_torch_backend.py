@@ -251,6 +251,9 @@ def test_top_n_logprobs_ties_lower_id_first_without_sort():
     # many ties (values rounded to bf16 steps) against a stable sort
     g = torch.Generator().manual_seed(3)
     lp = torch.log_softmax(torch.randn(16, 300, generator=g).to(torch.bfloat16).float(), -1)
+    lp[8:, 5:] = -math.inf  # rows with fewer finite entries than asked
+    lp[4] = lp[4].round()  # large tie groups
     want_v, want_i = torch.sort(lp, dim=-1, descending=True, stable=True)
-    vals, ids = top_n_logprobs(lp, 20)
-    assert torch.equal(ids, want_i[:, :20]) and torch.equal(vals, want_v[:, :20])
+    for n in (1, 5, 20, 300):
+        vals, ids = top_n_logprobs(lp, n)
+        assert torch.equal(ids, want_i[:, :n]) and torch.equal(vals, want_v[:, :n]), n

@@ -207,16 +207,26 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
 
 def top_n_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n largest entries of each row of ``lp`` [R, V] (float32) and their ids, ordered by
-    value then lower id first (ties), padded with -inf / -1 when n > V. No sort of the row:
-    one top-k over int64 keys (an order-preserving integer of the value, then V - 1 - id), so
-    the tie rule holds exactly and nothing synchronises with the host."""
+    value then lower id first (ties), padded with -inf / -1 when n > V.
+
+    No sort of the row and no host synchronisation: one ``torch.topk`` gives the values; the
+    entries tied with the n-th value are then taken lowest ids first (a second top-k over the
+    tied ids), and the n chosen entries are ordered by (value, id) with two small stable sorts.
+    """
     r, v = lp.shape
     k = min(n, v)
-    bits = (lp + 0.0).view(torch.int32).to(torch.int64)  # (+ 0.0: -0.0 ties with 0.0)
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) * 2**32 + (
-        v - 1 - torch.arange(v, device=lp.device))
-    ids = (v - 1) - (torch.topk(key, k, dim=-1).values & 0xFFFFFFFF)
+    vals, ids = torch.topk(lp, k, dim=-1)
+    lp0 = lp + 0.0  # -0.0 ties with 0.0
+    last = vals[:, -1:] + 0.0
+    n_above = (lp0 > last).sum(-1, keepdim=True)  # these are all among the top-k
+    col = torch.arange(k, device=lp.device)[None, :]
+    tied = torch.topk(torch.where(lp0 == last, -torch.arange(v, device=lp.device, dtype=lp.dtype),
+                                  -math.inf), k, dim=-1).indices  # lowest tied ids first
+    ids = torch.where(col < n_above, ids, tied.gather(1, (col - n_above).clamp_min(0)))
+    ids = ids.gather(1, torch.sort(ids, dim=-1).indices)  # (stable) by id, then by value:
     vals = lp.gather(1, ids)
+    order = torch.sort(vals + 0.0, dim=-1, descending=True, stable=True).indices
+    ids, vals = ids.gather(1, order), vals.gather(1, order)
     if n > k:  # more logprobs asked than V: pad with -inf / -1
         vals = torch.nn.functional.pad(vals, (0, n - k), value=-math.inf)
         ids = torch.nn.functional.pad(ids, (0, n - k), value=-1)
