@@ -20,12 +20,14 @@ def torch_backend(monkeypatch):
 def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
             "1,2", "--vocab", "512", "--k", "3", "--sample-batch-sizes", "1,2",
-            "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--options", "T0.6+p0.9"]
+            "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--options", "T0.6+p0.9",
+            "--block"]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     cases = report["cases"]
-    # verify (kind x T x B) + sample (T x B) + the option case (verify x B, sample x B)
-    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 2 + 2
+    # verify (kind x T x B) + sample (T x B) + block (T x B) + the option case (verify x B,
+    # sample x B)
+    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
     assert report["copy_bandwidth_bytes_per_s"] > 0
     for case in cases:
         for variant in ("fused", "unfused"):

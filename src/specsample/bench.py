@@ -169,10 +169,11 @@ class Case:
     vocab: int
     dtype: str
     options: str = ""  # an OPTION_CASES label (its temperature replaces ``temperature``)
+    method: str = "token"  # verify(): "token" or "block"
 
     @property
     def name(self) -> str:
-        kind = self.draft or "sample"
+        kind = (self.draft or "sample") + ("+block" if self.method == "block" else "")
         setting = self.options or f"T={self.temperature}"
         return f"{self.op}/{kind}/{setting}/B={self.batch}"
 
@@ -234,7 +235,8 @@ def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
         def call():
             logits, batch = prepare()
             return verify(logits, inp.drafts, inp.num_draft, batch,
-                          draft_logits=inp.draft_logits, positions=inp.positions, strict=False)
+                          draft_logits=inp.draft_logits, positions=inp.positions,
+                          method=case.method, strict=False)
     return call
 
 
@@ -462,6 +464,9 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
              for b in args.batch_sizes]
     cases += [Case("sample", None, t, b, 0, args.sample_vocab, args.dtype)
               for t in args.temperatures for b in args.sample_batch_sizes]
+    if args.block:
+        cases += [Case("verify", "draft_logits", t, b, args.k, args.vocab, args.dtype,
+                       method="block") for t in args.temperatures for b in args.batch_sizes]
     cases += [Case("verify", "onehot", "", b, args.k, args.vocab, args.dtype, f)
               for f in args.options for b in args.batch_sizes]
     cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
@@ -530,20 +535,23 @@ def plot(results: list[dict], path: Path) -> bool:
         from matplotlib.ticker import NullLocator
     except ImportError:
         return False
-    kinds = list(dict.fromkeys((r["op"], r["draft"]) for r in results))
+    def kind(r: dict) -> tuple:
+        return r["op"], r["draft"], r.get("method", "token")
+
     def setting(r: dict) -> str:
         return r.get("options") or f"T={r['temperature']}"
 
+    kinds = list(dict.fromkeys(kind(r) for r in results))
     temps = list(dict.fromkeys(setting(r) for r in results))
     fig, axes = plt.subplots(len(kinds), len(temps), figsize=(4.5 * len(temps),
                              3.6 * len(kinds)), squeeze=False)
     lines = (("fused", "eager_us", "o-", "fused eager"), ("fused", "graph_us", "s-",
              "fused graph"), ("unfused", "eager_us", "o--", "unfused eager"),
              ("unfused", "graph_us", "s--", "unfused graph"))
-    for (op, draft), row in zip(kinds, axes, strict=True):
+    for (op, draft, method), row in zip(kinds, axes, strict=True):
         for temp, ax in zip(temps, row, strict=True):
-            sel = sorted((r for r in results if (r["op"], r["draft"], setting(r)) ==
-                          (op, draft, temp)), key=lambda r: r["batch"])
+            sel = sorted((r for r in results if (*kind(r), setting(r)) ==
+                          (op, draft, method, temp)), key=lambda r: r["batch"])
             if not sel:
                 ax.axis("off")
                 continue
@@ -556,8 +564,9 @@ def plot(results: list[dict], path: Path) -> bool:
             ratio = SAMPLE_FLOOR_RATIO if op == "sample" else VERIFY_FLOOR_RATIO
             ax.plot(bs, [ratio * r["floor_target_us"] for r in sel], color="0.6", lw=0.8,
                     label=f"{ratio}x floor")
+            name = " ".join(x for x in (op, draft, "block" if method == "block" else "", temp) if x)
             ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time (us)",
-                   title=f"{op} {draft or ''} {temp}".replace("  ", " "))
+                   title=name)
             ax.set_xticks(bs, [str(b) for b in bs])
             ax.xaxis.set_minor_locator(NullLocator())
             ax.grid(True, which="both", alpha=0.3)
@@ -645,6 +654,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=_temp_list, default=list(TEMPERATURE_LABELS),
                    metavar="T,T,...", help="temperatures; 'mix' = alternating 0 and 1 "
                    "(default 0.7,1.0,mix)")
+    p.add_argument("--block", action="store_true",
+                   help="also block verification (Sun et al. 2024) with draft logits")
     p.add_argument("--options", type=_option_list, default=list(OPTION_CASES),
                    metavar="LABEL,...", help="option cases (one-hot verify and sample): "
                    + ", ".join(OPTION_CASES) + " (default: all; 'none' for none)")

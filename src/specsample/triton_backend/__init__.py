@@ -217,16 +217,35 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     res_row = torch.empty(n, dtype=torch.int64, device=dev)
     res_rho = torch.empty(n, dtype=torch.float32, device=dev)
-    kernels.finish_kernel[(n,)](
-        x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
-        plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
-        y, stats, tiles[0], tiles[1], nt,
-        draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-        token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
-        HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
-        BLOCK_METHOD=plan.has_draft_dist and plan.method == "block", FILTERED=filtered,
-        S_MAX=S_MAX, BLOCK=BLOCK,
-        num_warps=4 if not _interpreting(dev) else 1)
+    block = plan.has_draft_dist and plan.method == "block"
+    rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
+    sb = 1
+
+    def finish(rho_only: bool):
+        kernels.finish_kernel[(n,)](
+            x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
+            plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
+            y, stats, tiles[0], tiles[1], nt,
+            draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
+            token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
+            rho_row, bmass, sb, HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
+            BLOCK_METHOD=block, RHO_ONLY=rho_only, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK,
+            num_warps=4 if not _interpreting(dev) else 1)
+
+    n_drafts = plan.draft_token_ids.numel()
+    if block and k > 1:
+        # Block verification's Z_j for every draft row at once: rho_j first (a pass over the
+        # requests' scalars), then the masses in parallel over (draft row, split).
+        rho_row = torch.full((n_drafts,), -1.0, dtype=torch.float32, device=dev)
+        sb, bcps, _ = _splits(n_drafts, plan.vocab_size, 1, dev)
+        bmass = torch.empty(n_drafts, sb, dtype=torch.float32, device=dev)
+        finish(rho_only=True)
+        kernels.block_mass_kernel[(n_drafts, sb)](
+            x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
+            plan.draft_start, plan.draft_req, plan.draft_j, draft, dstride, dv, dpart_m,
+            dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
+            FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+    finish(rho_only=False)
 
     if plan.has_draft_dist:
         mass = torch.empty(n, nt, dtype=torch.float32, device=dev)

@@ -44,7 +44,7 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # (no recompilation when they change). Row strides and vocabulary sizes stay specialised: their
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
-_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS"])
+_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB"])
 
 
 @triton.jit
@@ -383,19 +383,6 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 
 
 @triton.jit
-def _residual_mass(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
-                   NT, cut_v, cut_i, DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
-    """Z = sum_x max(rho p(x) - q(x), 0) over target row ``xr`` and draft row ``dr``."""
-    total = 0.0
-    for tile in range(0, NT):
-        offs = tile * BLOCK + tl.arange(0, BLOCK)
-        w = _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                              dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
-        total += tl.sum(w, axis=0)
-    return total
-
-
-@triton.jit
 def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr):
     if DRAFT_PROBS:
         q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, True, -float("inf"),
@@ -412,12 +399,18 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                   out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
-                  res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
+                  res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB,
                   HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                  FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  RHO_ONLY: tl.constexpr, FILTERED: tl.constexpr, S_MAX: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel``), draw the correction from the residual where a draft distribution was
-    rejected, and write token ids [K+1], num_accepted and the error bitmask."""
+    rejected, and write token ids [K+1], num_accepted and the error bitmask.
+
+    Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
+    ratio rho_j (1 <= j < k) to ``rho_row``; ``block_mass_kernel`` then sums every
+    Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) in parallel over (draft row, split) into
+    ``bmass`` [drafts, SB], which the second run reads."""
     i = tl.program_id(0)
     k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)
@@ -469,11 +462,13 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                 p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i)
                 q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS)
                 if BLOCK_METHOD:
-                    if j > 0:
+                    if RHO_ONLY:
+                        tl.store(rho_row_ptr + dr, rho, mask=j > 0)
+                    elif j > 0:
                         # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
-                        mass = _residual_mass(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride,
-                                              DV, dr, dm, dlogz, dt, rho, NT, cut_v, cut_i,
-                                              DRAFT_PROBS, BLOCK)
+                        so = tl.arange(0, S_MAX)
+                        mass = tl.sum(tl.load(bmass_ptr + dr.to(tl.int64) * SB + so,
+                                              mask=so < SB, other=0.0), axis=0)
                         denom = mass + (1.0 - rho)
                         h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
                         u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
@@ -502,6 +497,17 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
             emit = tl.where((matching != 0) & ~ok, y, emit)
             n_acc += tl.where((matching != 0) & ok, 1, 0)
             matching = tl.where(ok, matching, 0)
+    if not RHO_ONLY:
+        _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
+                        rho_tau, y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                        out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, HAS_DRAFT)
+
+
+@triton.jit
+def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row, rho_tau,
+                    y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                    out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, HAS_DRAFT: tl.constexpr):
+    """The outputs of ``finish_kernel`` for request ``i``."""
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
     # A rejected draft distribution: residual_mass_kernel / residual_draw_kernel draw the
@@ -527,11 +533,11 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
 @triton.jit
 def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                            draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                           dpart_f_ptr, DS, res_rho_ptr, i, r, tile, cut_v_ptr, cut_i_ptr,
+                           dpart_f_ptr, DS, rho, i, r, tile, cut_v_ptr, cut_i_ptr,
                            DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                            S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Residual weights w = max(rho_tau p - q, 0) of tile ``tile`` of request ``i``'s rejected
-    target row ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
+    """Residual weights w = max(rho p - q, 0) of tile ``tile`` of request ``i``'s target row
+    ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
     t = tl.load(temp_ptr + i)
     t = tl.where(t > 0, t, 1.0)
     dt = tl.load(req_temp_ptr + i)
@@ -544,7 +550,7 @@ def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, 
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
     w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                          dt, tl.load(res_rho_ptr + i), offs, cut_v, cut_i, DRAFT_PROBS)
+                          dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
     return w, offs
 
 
@@ -565,9 +571,36 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                res_rho_ptr, i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX,
-                BLOCK)
+                tl.load(res_rho_ptr + i), i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
+                FILTERED, S_MAX, BLOCK)
             tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
+
+
+@triton.jit(**_NOSPEC)
+def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                      draft_start_ptr, draft_req_ptr, draft_j_ptr, d_ptr, dstride, DV,
+                      dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT,
+                      CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
+                      FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (draft row, split): the split's part of block verification's
+    Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
+    whose rho_j the first finish pass wrote (rho_row >= 0; others get 0). Writes
+    bmass [drafts, splits]: every Z_j of the batch at once instead of one request's rows in
+    series."""
+    dr = tl.program_id(0)
+    s = tl.program_id(1)
+    rho = tl.load(rho_row_ptr + dr)
+    total = 0.0
+    if rho >= 0:
+        i = tl.load(draft_req_ptr + dr)
+        r = tl.load(row_start_ptr + i) + tl.load(draft_j_ptr + dr)
+        for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
+            w, offs = _rejected_tile_weights(
+                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                rho, i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX, BLOCK)
+            total += tl.sum(w, axis=0)
+    tl.store(bmass_ptr + dr.to(tl.int64) * tl.num_programs(1) + s, total)
 
 
 @triton.jit(**_NOSPEC)
@@ -608,8 +641,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                res_rho_ptr, i, r, bt, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX,
-                BLOCK)
+                tl.load(res_rho_ptr + i), i, r, bt, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
+                FILTERED, S_MAX, BLOCK)
             key = tl.log(tl.where(w > 0, w, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
