@@ -164,3 +164,30 @@ def test_penalty_overflow_is_not_reported_as_a_bad_raw_logit(backend):
 
     assert torch_backend.ERR_PROCESSED_OVERFLOW == 16
     assert torch_backend.ERR_PROCESSED_OVERFLOW in torch_backend.ERROR_NAMES
+
+
+def test_column0_of_a_request_without_logprobs_follows_its_own_mode(backend):
+    # Column 0 of a request with logprobs=None and logprobs_mode="processed" came out raw when
+    # the only request asking for logprobs was raw (it depended on the other requests).
+    x = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([0, 0])
+    quiet = SamplingParams(seed=2, top_k=3, logprobs_mode="processed")
+    values = []
+    for mode in ("raw", "processed"):
+        batch = _batch([SamplingParams(seed=1, logprobs=0, logprobs_mode=mode), quiet])
+        out = sample(x, batch, positions=pos)
+        values.append(float(out.logprobs[1, 0]))
+    p = torch.softmax(torch.where(x[1] >= x[1].topk(3).values[-1], x[1], -math.inf), -1)
+    assert values[0] == values[1] == pytest.approx(math.log(float(p[out.token_ids[1]])),
+                                                     abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_top_n_ranked_by_logits_not_by_rounded_logprobs(backend, mode):
+    # A logit 1e-7 above the rest rounds to the same float32 logprob as them: it must still
+    # rank first (the tie rule applies to equal logits only).
+    x = torch.zeros(1, V)
+    x[0, 5] = 1e-7
+    batch = _batch([SamplingParams(seed=1, logprobs=3, logprobs_mode=mode)])
+    out = sample(x, batch, positions=torch.tensor([0]))
+    assert out.logprob_token_ids[0, 1:].tolist() == [5, 0, 1]

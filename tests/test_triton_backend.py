@@ -146,6 +146,21 @@ def test_filtered_path_serial_search_fallback():
     assert triton_backend.filter_serial_rows(DEVICE) - before == 2
 
 
+@pytest.mark.parametrize("top_p", [0.9, 0.9999, 0.999999])
+def test_filtered_top_p_near_one_needs_no_serial_search(top_p):
+    # The top_p bound once had margins on the whole mass, so any top_p above ~0.9998 sent
+    # every row to the serial search even with a one-token nucleus.
+    v = 2 * 2048
+    logits = torch.randn(2, v, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[:, 7] = 40.0
+    batch = SamplingBatch.from_params([SamplingParams(seed=i, top_p=top_p) for i in range(2)],
+                                      vocab_size=v, device=DEVICE)
+    before = triton_backend.filter_serial_rows(DEVICE)
+    _compare(logits, torch.zeros(0, dtype=torch.int64, device=DEVICE), [0, 0], batch,
+             torch.arange(2, device=DEVICE), {}, "token")
+    assert triton_backend.filter_serial_rows(DEVICE) == before
+
+
 @pytest.mark.parametrize("rows", ["ties", "neg_inf", "equal"])
 def test_filtered_path_edge_rows(rows):
     # Ties at the cut, rows mostly -inf, all-equal rows: the kept set and the tokens match.

@@ -226,7 +226,6 @@ class SamplingBatch:
     needs_bias: bool = False
     needs_bans: bool = False  # some request has allowed_token_ids, bad words or min_tokens left
     max_logprobs: int = -1  # -1: nobody asked for logprobs
-    any_processed_logprobs: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -417,6 +416,4 @@ class SamplingBatch:
             needs_bias=bool(bias_req),
             needs_bans=bool(stop_req or allowed_users or words),
             max_logprobs=max(-1 if p.logprobs is None else p.logprobs for p in params),
-            any_processed_logprobs=any(p.logprobs is not None and p.logprobs_mode == "processed"
-                                       for p in params),
         )

@@ -205,18 +205,21 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     return tau, rho.gather(1, tau[:, None]).squeeze(1)
 
 
-def top_n_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n largest entries of each row of ``lp`` [R, V] (float32) and their ids, ordered by
-    value then lower id first (ties), padded with -inf / -1 when n > V.
+def top_n_logprobs(lp: torch.Tensor, n: int,
+                   rank: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n entries of each row of ``lp`` [R, V] (float32) that rank highest by ``rank``
+    ([R, V], default ``lp``: the values before normalisation, whose order within a row is
+    exact where ``lp = rank - log-normaliser`` may round distinct values together), and their
+    ids, ordered by rank value then lower id first (ties), padded with -inf / -1 when n > V.
 
-    No sort of the row and no host synchronisation: one ``torch.topk`` gives the values; the
-    entries tied with the n-th value are then taken lowest ids first (a second top-k over the
-    tied ids), and the n chosen entries are ordered by (value, id) with two small stable sorts.
+    No sort of the row and no host synchronisation: one ``torch.topk``; the entries tied with
+    the n-th value are then taken lowest ids first (a second top-k over the tied ids), and the
+    n chosen entries are ordered by (value, id) with two small stable sorts.
     """
-    r, v = lp.shape
+    lp0 = (lp if rank is None else rank).float() + 0.0  # -0.0 ties with 0.0
+    r, v = lp0.shape
     k = min(n, v)
-    vals, ids = torch.topk(lp, k, dim=-1)
-    lp0 = lp + 0.0  # -0.0 ties with 0.0
+    vals, ids = torch.topk(lp0, k, dim=-1)
     last = vals[:, -1:] + 0.0
     n_above = (lp0 > last).sum(-1, keepdim=True)  # these are all among the top-k
     col = torch.arange(k, device=lp.device)[None, :]
@@ -224,9 +227,9 @@ def top_n_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor
                                   -math.inf), k, dim=-1).indices  # lowest tied ids first
     ids = torch.where(col < n_above, ids, tied.gather(1, (col - n_above).clamp_min(0)))
     ids = ids.gather(1, torch.sort(ids, dim=-1).indices)  # (stable) by id, then by value:
+    order = torch.sort(lp0.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
     vals = lp.gather(1, ids)
-    order = torch.sort(vals + 0.0, dim=-1, descending=True, stable=True).indices
-    ids, vals = ids.gather(1, order), vals.gather(1, order)
     if n > k:  # more logprobs asked than V: pad with -inf / -1
         vals = torch.nn.functional.pad(vals, (0, n - k), value=-math.inf)
         ids = torch.nn.functional.pad(ids, (0, n - k), value=-1)
@@ -238,8 +241,10 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs).
 
     ``processed_logprobs(flat_rows)`` returns the [R, V] float32 processed log-distribution of
-    target rows ``flat_rows``, and ``processed_logprobs(flat_rows, tokens)`` only its [R]
-    entries at ``tokens``; raw logprobs are log_softmax of ``plan.logits``. With n = 0 (the
+    target rows ``flat_rows`` and the [R, V] values it is ranked by for top-n (before
+    normalisation, -inf where dropped), and ``processed_logprobs(flat_rows, tokens)`` only the
+    [R] log-distribution entries at ``tokens``; raw logprobs are log_softmax of
+    ``plan.logits``, ranked by the raw logits. With n = 0 (the
     emitted token only) processed values are gathered (no [R, V] work); raw ones need one
     log_softmax of the rows. Top-n comes from one top-k (:func:`top_n_logprobs`), no sort.
     ``rows``: [N, K+1] target row of each position; ``tokens``: [N, K+1] emitted ids;
@@ -250,10 +255,11 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     flat = rows.reshape(-1)
     tok = tokens.reshape(-1).clamp_min(0)
     processed = batch.logprobs_processed[:, None].expand_as(rows).reshape(-1)
-    all_processed = all(p.logprobs_mode == "processed" for p in batch.params)
     # (column 0 of a request without logprobs follows its own logprobs_mode too)
+    modes = {p.logprobs_mode for p in batch.params}
+    any_processed, all_processed = "processed" in modes, modes == {"processed"}
     if n == 0:
-        col0 = processed_logprobs(flat, tok) if batch.any_processed_logprobs else None
+        col0 = processed_logprobs(flat, tok) if any_processed else None
         if not all_processed:
             # (log_softmax, not x - logsumexp: its per-row reduction does not depend on R,
             # which keeps the values batch invariant)
@@ -261,14 +267,18 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
             col0 = raw if col0 is None else torch.where(processed, col0, raw)
         vals, ids = col0[:, None], tok[:, None]
     else:
-        if not batch.any_processed_logprobs:
-            lp = torch.log_softmax(plan.logits[flat].float(), dim=-1)
+        if not all_processed:
+            raw_rank = plan.logits[flat].float()
+            raw_lp = torch.log_softmax(raw_rank, dim=-1)
+        if not any_processed:
+            lp, rank = raw_lp, raw_rank
         elif all_processed:
-            lp = processed_logprobs(flat)
+            lp, rank = processed_logprobs(flat)
         else:
-            lp = torch.where(processed[:, None], processed_logprobs(flat),
-                             torch.log_softmax(plan.logits[flat].float(), dim=-1))
-        top_v, top_i = top_n_logprobs(lp, n)
+            proc_lp, proc_rank = processed_logprobs(flat)
+            lp = torch.where(processed[:, None], proc_lp, raw_lp)
+            rank = torch.where(processed[:, None], proc_rank, raw_rank)
+        top_v, top_i = top_n_logprobs(lp, n, rank)
         vals = torch.cat([lp.gather(1, tok[:, None]), top_v], dim=1)
         ids = torch.cat([tok[:, None], top_i], dim=1)
     vals = vals.reshape(*rows.shape, n + 1)
@@ -399,8 +409,8 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
-        def processed(r: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
-            return z[r] - lse[r, None] if t is None else z[r, t] - lse[r]
+        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
+            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
 
         logprobs, logprob_ids = emitted_logprobs(plan, processed, rows, token_ids, emitted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,

@@ -271,19 +271,23 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
         t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
 
-        def processed(flat: torch.Tensor, tok: torch.Tensor | None = None) -> torch.Tensor:
-            # [R, V] processed logprobs of rows ``flat`` from the kernels' row statistics, or
-            # only their [R] entries at ``tok`` (one gathered logit per row).
+        def processed(flat: torch.Tensor, tok: torch.Tensor | None = None):
+            # ([R, V] processed logprobs of rows ``flat`` from the kernels' row statistics, the
+            # rows' values masked to the survivors for ranking), or only the [R] logprobs at
+            # ``tok`` (one gathered logit per row).
             if tok is None:
                 xf, ids = x[flat].float(), torch.arange(x.shape[1], device=dev)[None, :]
             else:
                 xf, ids = x[flat, tok].float()[:, None], tok[:, None]
             m, logz = stats[flat, 0:1], stats[flat, 1:2]
             lp = (xf - m) / t_eff[flat, None] - logz
+            rank = xf
             if filtered:
                 cv, ci = cut_v[flat, None], cut_i[flat, None]
-                lp = lp.masked_fill(~((xf > cv) | ((xf == cv) & (ids <= ci))), -math.inf)
-            return lp if tok is None else lp[:, 0]
+                dropped = ~((xf > cv) | ((xf == cv) & (ids <= ci)))
+                lp = lp.masked_fill(dropped, -math.inf)
+                rank = xf.masked_fill(dropped, -math.inf)
+            return (lp, rank) if tok is None else lp[:, 0]
 
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,

@@ -9,8 +9,8 @@ float64, top_k by rank, top_p on float64 masses. Three launches after the statis
 
 1. ``gather_kernel`` (rows x vocabulary splits): a lower bound L of the cut from the per-tile
    statistics (the k-th largest tile maximum for top_k; for top_p the largest value v at which
-   ``sum_t max(0, mass_t - n_t exp((v - m) / T))``, a lower bound of the mass at or above v,
-   reaches top_p; min_p's own cut), then the candidates (tokens >= L) of the tiles that can
+   ``sum_t min(mass_t, n_t exp((v - m) / T))``, an upper bound of the mass below v, fits in
+   the 1 - top_p tail; min_p's own cut), then the candidates (tokens >= L) of the tiles that can
    hold any, packed as order-preserving (key, id) integers into a per-row buffer of ``CAP``,
    and the float64 mass below L that top_p's total needs. On LLM rows that is a few tiles and
    tens to hundreds of candidates.
@@ -199,14 +199,18 @@ def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tiles
             srt = tl.sort(ttop_key, descending=True)
             lo = tl.maximum(lo, _pick(srt, toffs, top_k - 1))
     elif p_on:
+        # The mass below v = m - T delta is at most sum_t min(mass_t, n_t exp(-delta)): find the
+        # smallest delta at which that bound fits in the (1 - top_p) tail. (Float rounding can
+        # only make L too high; select_kernel then sees the nucleus overflow its candidates and
+        # takes the serial search.)
         tmass = _tile_masses(tilemax_ptr, tilesum_ptr, r, NT, toffs, m, t)
-        goal = top_p.to(tl.float32) * tl.sum(tmass, axis=0) * 1.0001
+        budget = ((1.0 - top_p) * tl.sum(tmass, axis=0)).to(tl.float32)
         lo_d = 0.0
         hi_d = 128.0
-        for _ in range(0, 30):  # smallest delta whose lower-bound mass reaches the goal
+        for _ in range(0, 30):
             mid = 0.5 * (lo_d + hi_d)
-            lb = tl.sum(tl.maximum(tmass * 0.9999 - BLOCK * tl.exp(-mid), 0.0), axis=0)
-            reach = lb >= goal
+            tail = tl.sum(tl.minimum(tmass, BLOCK * tl.exp(-mid)), axis=0)
+            reach = tail <= budget
             hi_d = tl.where(reach, mid, hi_d)
             lo_d = tl.where(reach, lo_d, mid)
         lo_p = tl.where(hi_d < 128.0, _key(m - t * hi_d, SHIFT) - 1, lowest)
