@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -17,19 +18,30 @@ from .plan import Plan, build_plan
 BACKENDS = ("torch", "triton")
 
 
-def select_backend(device: torch.device) -> str:
+def select_backend(device: torch.device | str) -> str:
     """The backend for tensors on ``device``: ``$SPECSAMPLE_BACKEND`` if set, else triton on
-    CUDA and torch elsewhere.
+    CUDA and torch elsewhere. Triton on CPU tensors runs Triton's interpreter, which has to be
+    switched on (``TRITON_INTERPRET=1``) before triton is first imported: this sets it when
+    triton is not imported yet.
 
     Raises:
-        ValueError: ``SPECSAMPLE_BACKEND`` is set to something other than torch / triton.
+        ValueError: ``SPECSAMPLE_BACKEND`` is set to something other than torch / triton, or
+            to triton for CPU tensors after triton was imported without ``TRITON_INTERPRET=1``.
     """
+    device = torch.device(device)
     forced = os.environ.get("SPECSAMPLE_BACKEND", "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"SPECSAMPLE_BACKEND must be 'torch' or 'triton', got {forced!r}")
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
+    if not forced:
+        return "triton" if device.type == "cuda" else "torch"
+    if forced not in BACKENDS:
+        raise ValueError(f"SPECSAMPLE_BACKEND must be 'torch' or 'triton', got {forced!r}")
+    if forced == "triton" and device.type != "cuda" and (
+            os.environ.get("TRITON_INTERPRET") != "1"):
+        if "triton" in sys.modules:
+            raise ValueError("SPECSAMPLE_BACKEND=triton on CPU tensors runs Triton's "
+                             "interpreter, which must be on before triton is imported: set "
+                             "TRITON_INTERPRET=1 in the environment")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return forced
 
 
 def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
@@ -113,8 +125,11 @@ def _capturing() -> bool:
 
 
 def _check_not_capturing(strict: bool, name: str) -> None:
-    """ValueError when ``strict`` is true while the current CUDA stream is capturing a graph
-    (strict=True reads the error flags on the host, a synchronisation capture forbids)."""
+    """ValueError when ``strict`` is not a bool, or is true while the current CUDA stream is
+    capturing a graph (strict=True reads the error flags on the host, a synchronisation
+    capture forbids)."""
+    if not isinstance(strict, bool):
+        raise ValueError(f"{name}(): strict must be True or False, got {strict!r}")
     if strict and _capturing():
         raise ValueError(f"{name}(strict=True) needs a host synchronisation and cannot run "
                          "inside CUDA-graph capture; pass strict=False and read out.invalid")
@@ -219,7 +234,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
     _check_logits_rows(logits, n)
     plan = build_plan(logits, batch, draft_token_ids=None,
                       num_draft_tokens=[0] * n, draft_logits=None,
-                      draft_probs=None, positions=positions, method="token")
+                      draft_probs=None, positions=positions, method="token",
+                      logits_name="logits")
     out, err = _run(plan, "sample")
     if strict:
         _raise_if_invalid(err)
@@ -315,6 +331,8 @@ def probs(logits: torch.Tensor, batch: SamplingBatch, *, strict: bool = True) ->
         SamplingError: with strict=True, NaN / +inf logits, a row with no finite logit,
             logit_bias / penalties that overflow a finite logit, or bans that leave no token.
     """
+    if not isinstance(strict, bool):
+        raise ValueError(f"probs(): strict must be True or False, got {strict!r}")
     if _capturing():
         raise ValueError("probs() reads error flags on the host and cannot run inside "
                          "CUDA-graph capture; call it outside the graph")
@@ -323,7 +341,8 @@ def probs(logits: torch.Tensor, batch: SamplingBatch, *, strict: bool = True) ->
     _check_logits_rows(logits, n)
     positions = torch.zeros(n, dtype=torch.int64, device=logits.device)  # no noise is drawn
     plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
-                      draft_logits=None, draft_probs=None, positions=positions, method="token")
+                      draft_logits=None, draft_probs=None, positions=positions, method="token",
+                      logits_name="logits")
     paths.record("torch.probs", n)
     p, err = torch_backend.processed_distribution(plan)
     if strict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +162,13 @@ def _token_lists(name: str, lists: Sequence[Sequence[int]] | None, n: int,
     if lists is None:
         return [[] for _ in range(n)]
     if len(lists) != n:
-        raise ValueError(f"{name} has {len(lists)} entries for {n} requests")
+        raise ValueError(f"{name} must hold one sequence of token ids per request: "
+                         f"{len(lists)} entries for {n} request(s)")
     out = []
     for i, seq in enumerate(lists):
+        if not isinstance(seq, (Sequence, torch.Tensor)) and not hasattr(seq, "__array__"):
+            raise ValueError(f"{name}[{i}] must be a sequence of token ids (one per request), "
+                             f"got {type(seq).__name__}")
         seq = [int(t) for t in seq]
         bad = [t for t in seq if not 0 <= t < vocab_size]
         if bad:
@@ -268,14 +272,19 @@ class SamplingBatch:
                 eos_token_ids id outside [0, vocab_size), or token lists of the wrong length /
                 with ids outside [0, vocab_size).
         """
+        if isinstance(params, SamplingParams) or not isinstance(params, Iterable):
+            raise ValueError("params must be a sequence of SamplingParams, one per request "
+                             f"(got {type(params).__name__})")
         params = tuple(params)
         if not params:
             raise ValueError("params must hold at least one SamplingParams")
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params[{i}] is {type(p).__name__}, not SamplingParams")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or (
+                vocab_size < 1):
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        vocab_size = int(vocab_size)
         device = torch.device(device if device is not None else "cpu")
         n = len(params)
         prompts = _token_lists("prompt_token_ids", prompt_token_ids, n, vocab_size)

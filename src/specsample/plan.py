@@ -209,8 +209,11 @@ def build_plan(
     draft_probs: torch.Tensor | None,
     positions,
     method: str,
+    logits_name: str = "target_logits",
 ) -> Plan:
     """Validate one call's inputs and derive its row layout.
+
+    ``logits_name`` is the logits argument's name in the caller (for error messages).
 
     Raises:
         ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
@@ -222,7 +225,7 @@ def build_plan(
     """
     if not isinstance(batch, SamplingBatch):
         raise ValueError(f"batch must be a SamplingBatch, got {type(batch).__name__}")
-    _check_float_matrix("target_logits", logits)
+    _check_float_matrix(logits_name, logits)
     n = batch.num_requests
     if logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for "

@@ -1,0 +1,72 @@
+"""Rough edges a new user met on a fresh clone: messages that name what is wrong."""
+
+import numpy as np
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, sample, select_backend, verify
+
+V = 16
+
+
+def _batch(n=1, **kw):
+    return SamplingBatch.from_params([SamplingParams(seed=i) for i in range(n)], vocab_size=V,
+                                     **kw)
+
+
+def test_sample_dtype_error_names_logits():
+    with pytest.raises(ValueError, match=r"^logits must be float32"):
+        sample(torch.zeros(1, V, dtype=torch.int64), _batch(), positions=torch.tensor([0]))
+
+
+def test_from_params_takes_numpy_vocab_size_and_refuses_a_single_params():
+    assert SamplingBatch.from_params([SamplingParams()], vocab_size=np.int64(V)).vocab_size == V
+    with pytest.raises(ValueError, match="sequence of SamplingParams, one per request"):
+        SamplingBatch.from_params(SamplingParams(), vocab_size=V)
+
+
+def test_flat_prompt_token_ids_get_a_hint():
+    with pytest.raises(ValueError, match="one sequence of token ids per request"):
+        SamplingBatch.from_params([SamplingParams()] * 2, vocab_size=V,
+                                  prompt_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] must be a sequence"):
+        SamplingBatch.from_params([SamplingParams()], vocab_size=V, prompt_token_ids=[1])
+
+
+@pytest.mark.parametrize("strict", ["no", 1, None])
+def test_strict_must_be_a_bool(strict):
+    batch = _batch()
+    x = torch.zeros(1, V)
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        sample(x, batch, positions=torch.tensor([0]), strict=strict)
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        verify(x, [], [0], batch, positions=torch.tensor([0]), strict=strict)
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        specsample.probs(x, batch, strict=strict)
+
+
+def test_select_backend_takes_a_device_name(monkeypatch):
+    monkeypatch.delenv("SPECSAMPLE_BACKEND", raising=False)
+    assert select_backend("cpu") == "torch"
+
+
+def test_triton_backend_on_cpu_switches_the_interpreter_on():
+    # SPECSAMPLE_BACKEND=triton on CPU tensors crashed deep inside Triton ("0 active drivers")
+    # unless the user had set TRITON_INTERPRET=1 first.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, specsample as s\n"
+            "b = s.SamplingBatch.from_params([s.SamplingParams(seed=1)], vocab_size=16)\n"
+            "print(int(s.sample(torch.zeros(1, 16), b, positions=torch.tensor([0]))"
+            ".token_ids[0]) in range(16))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["SPECSAMPLE_BACKEND"] = "triton"
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is for machines without CUDA")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
