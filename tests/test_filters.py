@@ -152,3 +152,28 @@ def test_kept_set_matches_reference_with_mass_near_one_torch(**case):
 def test_kept_set_matches_reference_with_mass_near_one_triton(**case):
     # The fused filter kernel (the interpreter on CPU): fewer examples, it is slow there.
     _check_against_reference("triton", **case)
+
+
+@pytest.mark.parametrize("case", ["flat", "wide_tie", "tie_at_256"])
+def test_large_nuclei_and_tie_groups_match_the_reference(case, monkeypatch):
+    # The torch backend ranks only the top candidates of a row (256, growing): a nucleus wider
+    # than that, or a boundary inside a tie group that the candidates cut, must grow them.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+    g = torch.Generator().manual_seed(0)
+    if case == "flat":
+        x, params = torch.randn(2000, generator=g) * 0.1, dict(top_p=0.9)
+    elif case == "wide_tie":
+        x = torch.full((1000,), -1.0)
+        x[100:400] = 0.0  # 300 tied maxima, the nucleus ends among them
+        params = dict(top_p=0.5)
+    else:
+        x = torch.full((1000,), -5.0)
+        x[:250] = torch.linspace(3.0, 2.0, 250)
+        x[500:520] = 1.0  # a tie group straddling the 256th candidate
+        params = dict(top_p=0.99999)
+    # the rule of docs/semantics.md by a full stable sort, in float64 (near ties are decided
+    # the same way here, so no fragility exemption is needed)
+    vals, order = torch.sort(x.double(), descending=True, stable=True)
+    e = torch.exp(vals - vals[0])
+    keep = torch.cumsum(e, 0) - e < params["top_p"] * e.sum()
+    assert kept_set(x, **params) == set(order[keep].tolist())

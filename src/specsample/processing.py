@@ -160,11 +160,12 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
 
     * min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
       float32, so the test is exact for the float32 values;
-    * top_k keeps the k largest values by rank alone (stable: lower ids first on ties), with no
-      probability sum involved;
-    * top_p sorts the survivors once and accumulates ``exp((y - m) / T)`` in float64; a token
-      is kept iff the mass ranked before it is < top_p times the survivors' mass (float64,
-      relative error about 1e-16 per token, so nothing saturates at 1).
+    * top_k keeps the k largest values by rank alone (lower ids first on ties), with no
+      probability sum involved (a top-k, no sort of the row);
+    * top_p accumulates ``exp((y - m) / T)`` in float64 over the survivors in rank order; a
+      token is kept iff the mass ranked before it is < top_p times the survivors' mass
+      (float64, relative error about 1e-16 per token, so nothing saturates at 1);
+      :func:`_nucleus` ranks only the top candidates.
     """
     batch = plan.batch
     req = plan.row_req
@@ -188,21 +189,56 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
     sub = y[idx].float()
     if drop is not None:
         sub = sub.masked_fill(drop[idx], -math.inf)
-    vals, order = torch.sort(sub, dim=-1, descending=True, stable=True)
-    keep = vals > -math.inf
-    rank = torch.arange(v, device=y.device)[None, :]
-    keep &= ~k_on[idx, None] | (rank < k[idx, None])
+    keep = sub > -math.inf
+    k_sub, p_sub = k_on[idx, None], p_on[idx, None]
+    if bool(k_on.any()):  # the k-th largest value, then its ties by id: no sort
+        kk = k[idx].clamp(1, v)[:, None]
+        top = torch.topk(sub, int(kk[k_sub].max()), dim=-1).values
+        v_k = top.gather(1, (kk - 1).clamp_max(top.shape[1] - 1))
+        tie = (sub == v_k) & keep
+        cut = (sub > v_k) | (tie & (tie.cumsum(-1) <= kk - (sub > v_k).sum(-1, keepdim=True)))
+        keep &= ~k_sub | cut
     if bool(p_on.any()):
-        e = torch.exp((vals.double() - m[idx, None].double()) / t64[idx, None])
-        e = torch.where(keep, e, 0.0)
-        before = torch.cumsum(e, dim=-1) - e
-        total = e.sum(dim=-1, keepdim=True)
-        keep &= ~p_on[idx, None] | (before < top_p[idx, None] * total)
-    sub_drop = torch.zeros_like(keep).scatter_(1, order, ~keep)
+        keep &= ~p_sub | _nucleus(sub, keep, m[idx], t64[idx], top_p[idx])
+    sub_drop = ~keep
     if drop is None:
         drop = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
     drop[idx] = sub_drop
     return drop
+
+
+def _nucleus(sub: torch.Tensor, keep: torch.Tensor, m: torch.Tensor, t64: torch.Tensor,
+             top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool: the top_p nucleus of the survivors ``keep`` of rows ``sub`` (float32).
+
+    A token is kept iff the float64 mass of the survivors ranked before it (value, then lower
+    id) is < top_p times their total mass. Only the highest-ranked candidates are ranked, by a
+    top-k that grows until the boundary token lies inside them (a full sort of the row is the
+    last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
+    the top-k, so a boundary there counts as not found yet.
+    """
+    r, v = sub.shape
+    e = torch.where(keep, torch.exp((sub.double() - m.double()[:, None]) / t64[:, None]), 0.0)
+    goal = top_p[:, None] * e.sum(-1, keepdim=True)
+    masked = sub.masked_fill(~keep, -math.inf)
+    c = min(v, 256)
+    while True:
+        cand_v, cand_i = torch.topk(masked, c, dim=-1)
+        order = torch.sort(cand_i, dim=-1).indices  # by id, then (stably) by value: rank order
+        cand_v, cand_i = cand_v.gather(1, order), cand_i.gather(1, order)
+        order = torch.sort(cand_v, dim=-1, descending=True, stable=True).indices
+        cand_v, cand_i = cand_v.gather(1, order), cand_i.gather(1, order)
+        ce = e.gather(1, cand_i)
+        n_keep = ((torch.cumsum(ce, dim=-1) - ce < goal) & (cand_v > -math.inf)).sum(
+            -1, keepdim=True).clamp_min(1)
+        last_v = cand_v.gather(1, n_keep - 1)
+        found = (n_keep < c) & (last_v > cand_v[:, -1:])
+        if c == v or bool(found.all()):
+            break
+        c = min(v, 4 * c)
+    last_i = cand_i.gather(1, n_keep - 1)
+    ids = torch.arange(v, device=sub.device)[None, :]
+    return (sub > last_v) | ((sub == last_v) & (ids <= last_i))
 
 
 def process_rows(plan: Plan, *, filters: bool = True,

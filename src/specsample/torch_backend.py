@@ -139,7 +139,10 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
 
 def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
                 seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[R] int64: argmax for greedy rows, an exact draw (STREAM_SAMPLE*) for the others."""
+    """[R] int64: argmax for greedy rows, an exact draw (STREAM_SAMPLE*) for the others (no
+    noise is drawn when every row is greedy)."""
+    if bool(greedy.all()):
+        return z.argmax(dim=-1)
     y = tiled_gumbel_argmax(z, tile_lse, seed_lo, seed_hi, pos, rng.STREAM_SAMPLE,
                             rng.STREAM_SAMPLE_TILE)
     if bool(greedy.any()):
