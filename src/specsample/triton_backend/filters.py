@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _k_eff, _row_stats
+from .kernels import _k_eff, _load_tiles, _row_stats
 
 INT_MAX = tl.constexpr(2147483647)
 NQ = tl.constexpr(16)  # thresholds evaluated per pass of the search
@@ -147,10 +147,7 @@ def _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, key, n, cut_key, cut_i,
 @triton.jit
 def _tile_masses(tilemax_ptr, tilesum_ptr, r, NT, toffs, m, t):
     """Per-tile masses sum exp((y - m) / t) from the statistics pass (float32), [NT_PAD]."""
-    ok = toffs < NT
-    tm = tl.load(tilemax_ptr + r.to(tl.int64) * NT + toffs, mask=ok, other=-float("inf"))
-    ts = tl.load(tilesum_ptr + r.to(tl.int64) * NT + toffs, mask=ok, other=0.0)
-    has = ok & (ts > 0) & (tm > -float("inf"))
+    tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, toffs)
     return tl.where(has, tl.exp((tl.where(has, tm, m) - m) / t) * ts, 0.0)
 
 

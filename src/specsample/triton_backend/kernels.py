@@ -230,6 +230,17 @@ def _survives(x, offs, cut_v, cut_i):
 
 
 @triton.jit
+def _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs):
+    """Row ``r``'s tile references and sums at tile ids ``offs`` (statistics pass), and which
+    tiles hold mass: (ref, sum, has)."""
+    ok = offs < NT
+    o = r.to(tl.int64) * NT + offs
+    tm = tl.load(tilemax_ptr + o, mask=ok, other=-float("inf"))
+    ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
+    return tm, ts, ok & (ts > 0) & (tm > -float("inf"))
+
+
+@triton.jit
 def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
                   pos, cut_v, cut_i, BLOCK: tl.constexpr):
     """Exact draw from softmax((x - m) / t) of row ``r``, restricted to the survivors of the
@@ -240,11 +251,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     bt = 0
     for c in range(0, NT, NT_CHUNK):
         offs = c + tl.arange(0, NT_CHUNK)
-        ok = offs < NT
-        o = r.to(tl.int64) * NT + offs
-        tm = tl.load(tilemax_ptr + o, mask=ok, other=-float("inf"))
-        ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
-        has = ok & (ts > 0) & (tm > -float("inf"))
+        tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
         lm = (tl.where(has, tm, m) - m) / t + tl.log(tl.where(has, ts, 1.0))
         key = lm + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
         key = tl.where(has, key, -float("inf"))
@@ -268,11 +275,7 @@ def _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t):
     total = 0.0
     for c in range(0, NT, NT_CHUNK):
         offs = c + tl.arange(0, NT_CHUNK)
-        ok = offs < NT
-        o = r.to(tl.int64) * NT + offs
-        tm = tl.load(tilemax_ptr + o, mask=ok, other=-float("inf"))
-        ts = tl.load(tilesum_ptr + o, mask=ok, other=0.0)
-        has = ok & (ts > 0) & (tm > -float("inf"))
+        tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
         total += tl.sum(tl.where(has, tl.exp((tl.where(has, tm, m) - m) / t) * ts, 0.0), axis=0)
     return tl.log(total)
 
