@@ -239,3 +239,21 @@ def test_kernel_gumbel_noise_matches_rng():
                          torch.arange(n), rng.STREAM_SAMPLE)
         err = (out.cpu().double() - ref).abs() / (1 + ref.abs())
         assert err.max() < 2e-6
+
+
+def test_compile_guard_watches_every_kernel_of_the_package(monkeypatch):
+    # The guard once matched three kernel names only: the residual, block-mass and filter
+    # kernels could compile after warmup unnoticed. (The hook is called directly: Triton's
+    # interpreter compiles nothing.)
+    from types import SimpleNamespace
+
+    from specsample.triton_backend import filters
+
+    monkeypatch.setitem(triton_backend._state, "warmed", True)
+    monkeypatch.setitem(triton_backend._state, "mode", "ignore")
+    monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
+    for kernel in (filters.gather_kernel, kernels.block_mass_kernel,
+                   kernels.residual_draw_kernel, _noise_kernel):
+        triton_backend._post_compile_hook(fn=SimpleNamespace(fn=kernel.fn), repr=kernel.__name__)
+    assert triton_backend.compilations_after_warmup() == [
+        "gather_kernel", "block_mass_kernel", "residual_draw_kernel"]
