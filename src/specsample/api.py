@@ -13,7 +13,7 @@ from . import paths, torch_backend
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch
-from .plan import Plan, build_plan
+from .plan import ERR_NUM_DRAFT_TOKENS, ERR_NUM_DRAFT_TOKENS_TEXT, Plan, build_plan
 
 BACKENDS = ("torch", "triton")
 
@@ -105,6 +105,8 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         paths.record(f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}",
                      plan.num_rows)
         out, err = torch_backend.verify(plan)
+    if plan.layout_err is not None:
+        out, err = _mark_layout_errors(out, err, plan.layout_err)
     if n_greedy:
         paths.record("requests.greedy", n_greedy)
     if n_greedy < batch.num_requests:
@@ -112,11 +114,34 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     return out, err
 
 
+def _mark_layout_errors(out: VerifyOutput, err: torch.Tensor, layout_err: torch.Tensor
+                        ) -> tuple[VerifyOutput, torch.Tensor]:
+    """Requests whose device-resident num_draft_tokens entry could not be laid out (the
+    plan's ``layout_err``): invalid, token ids -1, num_accepted 0, logprobs -inf / ids -1.
+    Device ops only (no host read)."""
+    bad = layout_err != 0
+    lp = ids = None
+    if out.logprobs is not None:
+        lp = out.logprobs.masked_fill(bad[:, None, None], -math.inf)
+        ids = out.logprob_token_ids.masked_fill(bad[:, None, None], -1)
+    out = VerifyOutput(token_ids=out.token_ids.masked_fill(bad[:, None], -1),
+                       num_accepted=out.num_accepted.masked_fill(bad, 0), logprobs=lp,
+                       logprob_token_ids=ids, invalid=out.invalid | bad)
+    return out, err | layout_err
+
+
+def _describe_errors(codes: list[int]) -> str:
+    """torch_backend.describe_errors plus the bit only the API sets (ERR_NUM_DRAFT_TOKENS)."""
+    text = torch_backend.describe_errors([c & ~ERR_NUM_DRAFT_TOKENS for c in codes])
+    extra = "; ".join(f"request {i}: {ERR_NUM_DRAFT_TOKENS_TEXT}"
+                      for i, c in enumerate(codes) if c & ERR_NUM_DRAFT_TOKENS)
+    return "; ".join(t for t in (text, extra) if t)
+
+
 def _raise_if_invalid(err: torch.Tensor) -> None:
     if bool((err != 0).any()):
         codes = err.tolist()
-        raise SamplingError([i for i, c in enumerate(codes) if c],
-                            torch_backend.describe_errors(codes))
+        raise SamplingError([i for i, c in enumerate(codes) if c], _describe_errors(codes))
 
 
 def _capturing() -> bool:
@@ -256,6 +281,7 @@ def verify(
     positions=None,
     method: str = "token",
     strict: bool = True,
+    max_num_draft_tokens: int | None = None,
 ) -> VerifyOutput:
     """Verify draft tokens against the target by rejection sampling; never changes the law.
 
@@ -264,8 +290,13 @@ def verify(
             request i owns k_i + 1 contiguous rows (its draft rows, then its bonus row).
         draft_token_ids: [sum k_i] int64 drafts in request order; -1 is a placeholder that
             makes the request behave as if its drafts ended there.
-        num_draft_tokens: [N] ints >= 0 (a list, or an integer tensor; a CUDA tensor costs
-            one host synchronisation to read K).
+        num_draft_tokens: [N] ints >= 0 (a list, or an integer tensor on any device). A
+            list / CPU tensor is checked on the host (ValueError). A device (CUDA) tensor
+            is read on the host (one synchronisation) unless ``max_num_draft_tokens`` is
+            given: then the row layout is derived on the device (no synchronisation; CUDA
+            graphs can capture the call), with S = ``draft_token_ids.shape[0]``, and an
+            entry < 0 or > max_num_draft_tokens makes that request invalid, entries that do
+            not sum to S make every request invalid (error bit ERR_NUM_DRAFT_TOKENS).
         batch: SamplingBatch of the N requests.
         draft_logits: [sum k_i, V'] raw logits of a drafter that sampled from
             softmax(draft_logits / T_i); V' <= V.
@@ -277,6 +308,8 @@ def verify(
         method: "token" (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1; Chen et al. 2023,
             arXiv 2302.01318, Alg. 2) or "block" (Sun et al. 2024, arXiv 2403.10444, Alg. 2).
         strict: as in :func:`sample`.
+        max_num_draft_tokens: None, or K >= every k_i: fixes the output width K + 1 (without
+            it K = max k_i). Host entries above it raise ValueError.
 
     Returns:
         VerifyOutput: token_ids [N, K+1] int64 (accepted drafts, then the correction or bonus
@@ -288,17 +321,20 @@ def verify(
     matching the drafts by prefix (exact, and speculation-invariant for seeded requests).
 
     Raises:
-        ValueError: invalid shapes, dtypes, devices, method, missing positions with seeds, or
-            strict=True while the current CUDA stream is capturing a graph (checked first).
+        ValueError: invalid shapes, dtypes, devices, method, missing positions with seeds,
+            host num_draft_tokens entries < 0 or > max_num_draft_tokens, a
+            max_num_draft_tokens that is not an int >= 0, or strict=True while the current
+            CUDA stream is capturing a graph (checked first).
         SamplingError: with strict=True, invalid data (NaN / +inf logits, a row with no finite
             logit, a draft id outside [0, V) other than -1, an invalid draft row, bans that
-            leave no token).
+            leave no token, a device num_draft_tokens that does not fit).
     """
     _check_not_capturing(strict, "verify")
     _check_batch(batch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                       num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
-                      draft_probs=draft_probs, positions=positions, method=method)
+                      draft_probs=draft_probs, positions=positions, method=method,
+                      max_num_draft_tokens=max_num_draft_tokens)
     out, err = _run(plan, "verify")
     if strict:
         _raise_if_invalid(err)

@@ -19,16 +19,31 @@ from .params import FRESH_PERIOD, FRESH_STRIDE, SamplingBatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 METHODS = ("token", "block")
+#: Error bit (the per-request ``err`` bitmask of the backends, next to torch_backend's ERR_*):
+#: a device-resident ``num_draft_tokens`` that could not be checked on the host was wrong: the
+#: request's entry is negative or above ``max_num_draft_tokens``, or (every request) the
+#: entries do not sum to the number of drafts (``draft_token_ids.shape[0]``).
+ERR_NUM_DRAFT_TOKENS = 1 << 8
+ERR_NUM_DRAFT_TOKENS_TEXT = ("num_draft_tokens entry negative or above max_num_draft_tokens, or "
+                             "the entries do not sum to the number of drafts")
 
 
 @dataclass
 class Plan:
-    """One call's inputs and row layout. Shapes: N requests, T rows, S = sum k_i drafts."""
+    """One call's inputs and row layout. Shapes: N requests, T rows, S = sum k_i drafts.
+
+    Host layout (``num_draft`` a tuple): the layout tensors are built from the host k_i.
+    Device layout (``num_draft`` None: a device ``num_draft_tokens`` with
+    ``max_num_draft_tokens``): they are derived on the device from T and S (host shapes) and
+    the device k_i, never read on the host; ``layout_err`` then flags requests whose k_i could
+    not be laid out (their ``k_given`` is 0 and every row but their first, and every draft, is
+    dead), and the caller must mark those requests invalid in the output.
+    """
 
     logits: torch.Tensor  # [T, V] raw target logits
     batch: SamplingBatch
-    num_draft: tuple[int, ...]  # k_i as given (host)
-    max_k: int  # K = max k_i (host)
+    num_draft: tuple[int, ...] | None  # k_i as given (host), None for a device layout
+    max_k: int  # K: the output width is K + 1 (max k_i, or max_num_draft_tokens)
     method: str
     positions: torch.Tensor  # [N] int64
     draft_token_ids: torch.Tensor  # [S] int64 (as given; -1 placeholders)
@@ -40,7 +55,8 @@ class Plan:
     row_j: torch.Tensor  # [T] int64
     draft_req: torch.Tensor  # [S] int64
     draft_j: torch.Tensor  # [S] int64
-    k_given: torch.Tensor  # [N] int64, the k_i as given
+    k_given: torch.Tensor  # [N] int64, the k_i as given (0 where layout_err is set)
+    layout_err: torch.Tensor | None = None  # [N] int64 ERR_NUM_DRAFT_TOKENS bits (device layout)
 
     @functools.cached_property
     def k_eff(self) -> torch.Tensor:
@@ -70,7 +86,7 @@ class Plan:
 
     @property
     def num_requests(self) -> int:
-        return len(self.num_draft)
+        return self.batch.num_requests
 
     @property
     def num_rows(self) -> int:
@@ -127,13 +143,56 @@ def _layout(num_draft: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
         row_start, draft_start, row_req, row_j, draft_req, draft_j, list(num_draft)))
 
 
+def _device_layout(k: torch.Tensor, max_k: int, num_rows: int, num_drafts: int
+                   ) -> tuple[torch.Tensor, ...]:
+    """Row layout tensors (as :func:`_layout`, then the [N] ERR_NUM_DRAFT_TOKENS bits) derived
+    on ``k``'s device from a device ``k`` ([N] int64) that is never read on the host.
+
+    T = ``num_rows`` and S = ``num_drafts`` are host shapes (T = N + S is checked by the
+    caller). If some k_i < 0 or sum k_i != S the whole batch is flagged and laid out as if
+    every k_i were 0; a k_i > ``max_k`` (the output width) flags that request alone, whose
+    rows and drafts keep their places but are dead (``k_given`` 0). Every index stays in
+    bounds: rows and drafts no request owns map to the last request with j > its k_given.
+    Device ops only (cumsum, searchsorted): capturable in a CUDA graph.
+    """
+    n = k.shape[0]
+    dev = k.device
+    kc = k.clamp(0, num_drafts + 1)  # (no overflow in the sum; any k_i > S breaks the sum)
+    batch_ok = (k >= 0).all() & (kc.sum() == num_drafts)
+    fits = batch_ok & (k <= max_k)
+    lay = torch.where(batch_ok, kc, 0)
+    k_given = torch.where(fits, k, 0)
+    draft_end = lay.cumsum(0)
+    draft_start = draft_end - lay
+    row_end = draft_end + torch.arange(1, n + 1, device=dev)
+    row_start = row_end - lay - 1
+    r = torch.arange(num_rows, device=dev)
+    row_req = torch.searchsorted(row_end, r, right=True).clamp_max(n - 1)
+    row_j = r - row_start[row_req]
+    d = torch.arange(num_drafts, device=dev)
+    draft_req = torch.searchsorted(draft_end, d, right=True).clamp_max(n - 1)
+    draft_j = d - draft_start[draft_req]
+    err = torch.where(fits, 0, ERR_NUM_DRAFT_TOKENS)
+    return row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given, err
+
+
+def _is_device_tensor(t) -> bool:
+    """True for a tensor that reading on the host would synchronise with (not on the CPU)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
+def _check_num_draft_tensor(t: torch.Tensor, n: int) -> None:
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
+            t.dtype == torch.bool):
+        raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints")
+    if t.shape[0] != n:
+        raise ValueError(f"num_draft_tokens has {t.shape[0]} entries for {n} requests")
+
+
 def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
     if isinstance(num_draft_tokens, torch.Tensor):
-        if num_draft_tokens.dim() != 1 or num_draft_tokens.dtype.is_floating_point or (
-            num_draft_tokens.dtype == torch.bool
-        ):
-            raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints")
-        values = [int(v) for v in num_draft_tokens.tolist()]
+        _check_num_draft_tensor(num_draft_tokens, n)
+        values = [int(v) for v in num_draft_tokens.tolist()]  # a device tensor: one sync
     else:
         try:
             values = list(num_draft_tokens)
@@ -149,6 +208,18 @@ def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
     if any(v < 0 for v in values):
         raise ValueError(f"num_draft_tokens must be >= 0, got {values}")
     return tuple(values)
+
+
+def _max_num_draft(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__") or (
+            isinstance(value, torch.Tensor)):
+        raise ValueError(f"max_num_draft_tokens must be None or an int >= 0, got {value!r}")
+    value = operator.index(value)
+    if value < 0:
+        raise ValueError(f"max_num_draft_tokens must be >= 0, got {value}")
+    return value
 
 
 def _check_float_matrix(name: str, t: torch.Tensor) -> None:
@@ -210,15 +281,23 @@ def build_plan(
     positions,
     method: str,
     logits_name: str = "target_logits",
+    max_num_draft_tokens: int | None = None,
 ) -> Plan:
     """Validate one call's inputs and derive its row layout.
 
     ``logits_name`` is the logits argument's name in the caller (for error messages).
+    ``max_num_draft_tokens``: None (K = max k_i) or K >= every k_i, the output width K + 1.
+    A device (non-CPU) ``num_draft_tokens`` tensor with ``max_num_draft_tokens`` is not read
+    on the host: the layout is derived on the device (:func:`_device_layout`), S is
+    ``draft_token_ids.shape[0]``, and wrong entries set ``Plan.layout_err`` instead of raising;
+    without ``max_num_draft_tokens`` it is read on the host (one synchronisation).
 
     Raises:
         ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
-            num_draft_tokens entry, both draft_logits and draft_probs, V' > V, an unknown method,
-            or missing positions while a request has a user-given seed.
+            num_draft_tokens entry (host values), a host entry above max_num_draft_tokens, a
+            negative or non-int max_num_draft_tokens, both draft_logits and draft_probs,
+            V' > V, an unknown method, or missing positions while a request has a user-given
+            seed.
 
     With ``positions=None`` the positions come from :func:`fresh_positions`, which advances
     ``batch.fresh_counter`` by 1 (only once every other argument has been validated).
@@ -236,11 +315,7 @@ def build_plan(
         raise ValueError(f"logits are on {logits.device} but the batch on {batch.device}")
     if method not in METHODS:
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
-    num_draft = _num_draft_tuple(num_draft_tokens, n)
-    s = sum(num_draft)
-    if logits.shape[0] != n + s:
-        raise ValueError(f"target_logits has {logits.shape[0]} rows; expected N + sum k = "
-                         f"{n} + {s} = {n + s}")
+    max_k = _max_num_draft(max_num_draft_tokens)
     device = logits.device
     if draft_token_ids is None:
         draft_token_ids = torch.empty(0, dtype=torch.int64, device=device)
@@ -252,9 +327,28 @@ def build_plan(
         draft_token_ids.dtype == torch.bool
     ):
         raise ValueError("draft_token_ids must be a 1-D integer tensor")
-    if draft_token_ids.shape[0] != s:
-        raise ValueError(f"draft_token_ids has {draft_token_ids.shape[0]} entries; "
-                         f"sum(num_draft_tokens) = {s}")
+    on_device = max_k is not None and _is_device_tensor(num_draft_tokens)
+    if on_device:
+        _check_num_draft_tensor(num_draft_tokens, n)
+        num_draft = None
+        s = draft_token_ids.shape[0]
+        if logits.shape[0] != n + s:
+            raise ValueError(f"target_logits has {logits.shape[0]} rows; expected N + "
+                             f"len(draft_token_ids) = {n} + {s} = {n + s}")
+    else:
+        num_draft = _num_draft_tuple(num_draft_tokens, n)
+        if max_k is None:
+            max_k = max(num_draft)
+        elif max(num_draft) > max_k:
+            raise ValueError(f"num_draft_tokens entries must be <= max_num_draft_tokens = "
+                             f"{max_k}, got {list(num_draft)}")
+        s = sum(num_draft)
+        if logits.shape[0] != n + s:
+            raise ValueError(f"target_logits has {logits.shape[0]} rows; expected N + sum k = "
+                             f"{n} + {s} = {n + s}")
+        if draft_token_ids.shape[0] != s:
+            raise ValueError(f"draft_token_ids has {draft_token_ids.shape[0]} entries; "
+                             f"sum(num_draft_tokens) = {s}")
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
     if draft_logits is not None and draft_probs is not None:
         raise ValueError("give draft_logits or draft_probs, not both")
@@ -263,18 +357,24 @@ def build_plan(
             continue
         _check_float_matrix(name, d)
         if d.shape[0] != s:
-            raise ValueError(f"{name} has {d.shape[0]} rows; sum(num_draft_tokens) = {s}")
+            raise ValueError(f"{name} has {d.shape[0]} rows; the number of drafts is {s}")
         if not 1 <= d.shape[1] <= logits.shape[1]:
             raise ValueError(f"{name} has {d.shape[1]} columns; the draft vocabulary must be "
                              f"1..{logits.shape[1]} (the target's)")
         if d.device != device:
             raise ValueError(f"{name} is on {d.device} but target_logits on {device}")
     pos = _positions(positions, batch, n, device)
-    layout = _layout(num_draft, device)
+    layout_err = None
+    if on_device:
+        k = num_draft_tokens.to(device=device, dtype=torch.int64)
+        *layout, layout_err = _device_layout(k, max_k, logits.shape[0], s)
+    else:
+        layout = _layout(num_draft, device)
     row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given = layout
     return Plan(
-        logits=logits, batch=batch, num_draft=num_draft, max_k=max(num_draft), method=method,
+        logits=logits, batch=batch, num_draft=num_draft, max_k=max_k, method=method,
         positions=pos, draft_token_ids=draft_token_ids, draft_logits=draft_logits,
         draft_probs=draft_probs, row_start=row_start, draft_start=draft_start, row_req=row_req,
         row_j=row_j, draft_req=draft_req, draft_j=draft_j, k_given=k_given,
+        layout_err=layout_err,
     )

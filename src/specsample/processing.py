@@ -80,17 +80,17 @@ def ban_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _allowed_rows(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [R], their request's slot in ``batch.allowed_mask`` [R]) of the requests that
-    have allowed_token_ids, from the host-side layout (no device read)."""
-    starts = [0]
-    for k in plan.num_draft:
-        starts.append(starts[-1] + k + 1)
-    rows, slots = [], []
-    for slot, i in enumerate(plan.batch.allowed_users):
-        rows += range(starts[i], starts[i + 1])
-        slots += [slot] * (starts[i + 1] - starts[i])
-    dev = plan.logits.device
-    return (torch.tensor(rows, dtype=torch.int64, device=dev),
-            torch.tensor(slots, dtype=torch.int64, device=dev))
+    have allowed_token_ids: every row of such a request (dead rows too; nobody reads them).
+
+    Found on the device from ``plan.row_req``, so host and device layouts alike; the row count
+    R is read on the host (one synchronisation, on the general path, which has others).
+    """
+    batch, dev = plan.batch, plan.logits.device
+    slot_of = torch.full((batch.num_requests,), -1, dtype=torch.int64)
+    slot_of[list(batch.allowed_users)] = torch.arange(len(batch.allowed_users))
+    slot = slot_of.to(dev)[plan.row_req]
+    rows = (slot >= 0).nonzero().squeeze(1)
+    return rows, slot[rows]
 
 
 def apply_bans(y: torch.Tensor, plan: Plan) -> torch.Tensor:
