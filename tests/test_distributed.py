@@ -1,0 +1,282 @@
+"""specsample.distributed: vocabulary-parallel sample() / verify() equal the single-device
+functions on the whole rows (gloo on CPU with 2 and 3 processes; NCCL on 2 GPUs when there
+are two).
+
+One process group per world size runs every case (spawning costs seconds); each rank compares
+its outputs with single-process sample() / verify() (torch backend, CPU) on the full rows and
+with rank 0's batch, and writes its failures to a file the test reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import specsample
+from specsample import SamplingBatch, SamplingParams
+
+JOIN_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_spawned(world: int, target: str, backend: str = "gloo") -> list[dict]:
+    """Spawn ``world`` ranks running ``target`` (a function name in this module); returns
+    each rank's report. A rank that does not finish within JOIN_TIMEOUT_S fails the test."""
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, port, tmp, target, backend), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        while not ctx.join(timeout=5):
+            if datetime.datetime.now() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{target} with {world} ranks did not finish in {JOIN_TIMEOUT_S} s")
+        reports = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                reports.append(json.load(f))
+    return reports
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, target: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.setdefault("SPECSAMPLE_BACKEND", "torch")
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    report = {"failures": [], "cases": 0}
+    try:
+        globals()[target](rank, world, report)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        report["failures"].append(traceback.format_exc())
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------- case builder
+
+
+def _shard(full: torch.Tensor, rank: int, world: int, vocab: int, gen: torch.Generator,
+           trim: bool = False) -> torch.Tensor:
+    """This rank's columns [r S, (r + 1) S) of ``full`` [R, V]; columns past ``vocab`` are
+    padding filled with garbage (NaN, +inf, huge) unless ``trim`` (then they are left out)."""
+    s = -(-vocab // world)
+    lo, hi = rank * s, (rank + 1) * s
+    part = full[:, min(lo, full.shape[1]):min(hi, full.shape[1])]
+    if trim:
+        return part.clone()
+    pad = hi - max(lo, min(hi, full.shape[1]))
+    if pad:
+        garbage = torch.randn(full.shape[0], pad, generator=gen) * 1e30
+        garbage[:, ::3] = math.nan
+        garbage[:, 1::3] = math.inf
+        part = torch.cat([part, garbage.to(full.dtype)], dim=1)
+    return part.contiguous()
+
+
+def _params(gen: torch.Generator, kind: str, vocab: int, seeded: bool) -> SamplingParams:
+    def ri(hi: int) -> int:
+        return int(torch.randint(hi, (1,), generator=gen))
+
+    seed = ri(2**31) if seeded else None
+    lp = [None, 0, 3][ri(3)]
+    mode = ["raw", "processed"][ri(2)]
+    common = dict(seed=seed, logprobs=lp, logprobs_mode=mode)
+    if kind == "greedy":
+        return SamplingParams(temperature=0.0, **common)
+    if kind == "plain":
+        return SamplingParams(temperature=[0.5, 1.0, 1.7][ri(3)], **common)
+    if kind == "top_k":
+        return SamplingParams(temperature=0.8, top_k=[1, 3, 40, 700][ri(4)], **common)
+    if kind == "top_p":
+        return SamplingParams(temperature=1.0, top_p=[0.3, 0.9, 0.999][ri(3)], **common)
+    if kind == "min_p":
+        return SamplingParams(temperature=1.2, min_p=[0.01, 0.2][ri(2)], **common)
+    if kind == "all_filters":
+        return SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, **common)
+    if kind == "penalties":
+        return SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3,
+                              repetition_penalty=1.3, top_p=0.95, **common)
+    if kind == "bias":
+        return SamplingParams(temperature=0.7, logit_bias={0: 5.0, vocab - 1: 3.0,
+                                                           vocab // 2: -100.0}, **common)
+    if kind == "bans":
+        return SamplingParams(temperature=1.0, bad_words_token_ids=[[1], [2, 3]],
+                              min_tokens=3, stop_token_ids=[vocab - 1], top_k=20, **common)
+    if kind == "allowed":
+        return SamplingParams(temperature=[0.0, 1.0][ri(2)],
+                              allowed_token_ids=sorted({ri(vocab) for _ in range(30)}), **common)
+    raise AssertionError(kind)
+
+
+KINDS = ["greedy", "plain", "top_k", "top_p", "min_p", "all_filters", "penalties", "bias",
+         "bans", "allowed"]
+
+
+def _close(a, b, what: str, fails: list, tol: float = 1e-5) -> None:
+    if (a is None) != (b is None):
+        fails.append(f"{what}: one is None")
+        return
+    if a is None:
+        return
+    if a.dtype.is_floating_point:
+        same_inf = torch.equal(torch.isneginf(a), torch.isneginf(b))
+        fin = torch.isfinite(a) & torch.isfinite(b)
+        if not same_inf or not torch.allclose(a[fin], b[fin], atol=tol, rtol=0):
+            fails.append(f"{what}: {a.tolist()} != {b.tolist()}")
+    elif not torch.equal(a, b):
+        fails.append(f"{what}: {a.tolist()} != {b.tolist()}")
+
+
+def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str,
+          draft: str = "onehot", method: str = "token", kinds=None, dtype=torch.float32,
+          nan_shard: int | None = None, trim_draft: bool = False, draft_vocab=None,
+          ties: bool = False, fresh: bool = False) -> None:
+    import specsample.distributed as sd
+
+    gen = torch.Generator().manual_seed(1000 + case)
+    n = 1 + int(torch.randint(4, (1,), generator=gen))
+    kinds = kinds or KINDS
+    params = [_params(gen, kinds[int(torch.randint(len(kinds), (1,), generator=gen))], vocab,
+                      seeded=not fresh and bool(torch.randint(2, (1,), generator=gen)))
+              for _ in range(n)]
+    k = [0] * n if op == "sample" else [int(torch.randint(4, (1,), generator=gen))
+                                        for _ in range(n)]
+    rows = n + sum(k)
+    scale = 4.0
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    if ties:
+        logits = (logits * 2).round() / 2
+    vd = draft_vocab or vocab
+    drafts = torch.randint(vd, (sum(k),), generator=gen)
+    if draft == "onehot" and sum(k):
+        # make acceptance likely: draft the target's argmax half of the time
+        rstart = torch.cumsum(torch.tensor([0] + [x + 1 for x in k[:-1]]), 0)
+        at = 0
+        for i in range(n):
+            for j in range(k[i]):
+                if torch.rand((), generator=gen) < 0.5:
+                    drafts[at] = logits[rstart[i] + j].argmax()
+                at += 1
+    dl = dp = None
+    if draft == "logits":
+        dl = logits[[r for i in range(n) for r in range(int(sum(k[:i])) + i,
+                                                        int(sum(k[:i])) + i + k[i])], :vd]
+        dl = dl + torch.randn(dl.shape, generator=gen)
+    elif draft == "probs":
+        dp = torch.softmax(torch.randn(sum(k), vd, generator=gen) * 3, dim=-1)
+    if nan_shard is not None and rows:
+        s = -(-vocab // world)
+        col = min(vocab - 1, nan_shard * s + 1)
+        logits[0, col] = math.nan
+    outputs = [[int(torch.randint(vocab, (1,), generator=gen)) for _ in range(3)]
+               for _ in range(n)]
+    prompts = [[int(torch.randint(vocab, (1,), generator=gen)) for _ in range(4)] + [2]
+               for _ in range(n)]
+    positions = None if fresh else torch.randint(10**6, (n,), generator=gen)
+
+    def batch_for(r: int) -> SamplingBatch:
+        torch.manual_seed(77 * case + r)
+        return SamplingBatch.from_params(params, vocab_size=vocab, prompt_token_ids=prompts,
+                                         output_token_ids=outputs, eos_token_ids=[vocab - 2])
+
+    ref_batch, my_batch = batch_for(0), batch_for(rank)
+    logits = logits.to(dtype)
+    fails = report["failures"]
+    tag = f"case {case} (V={vocab}, W={world}, {op}, {draft}, {method}, {[p for p in params]})"
+    local = _shard(logits, rank, world, vocab, gen)
+    try:
+        if op == "sample":
+            ref = specsample.sample(logits, ref_batch, positions=positions, strict=False)
+            got = sd.sample(local, my_batch, positions=positions, strict=False)
+            pairs = [("token_ids", ref.token_ids, got.token_ids)]
+        else:
+            kw = {}
+            if dl is not None:
+                kw["local_draft_logits"] = _shard(dl, rank, world, vocab, gen, trim=trim_draft)
+            if dp is not None:
+                kw["local_draft_probs"] = _shard(dp, rank, world, vocab, gen, trim=trim_draft)
+            ref = specsample.verify(logits, drafts, k, ref_batch, draft_logits=dl,
+                                    draft_probs=dp, positions=positions, method=method,
+                                    strict=False)
+            got = sd.verify(local, drafts, k, my_batch, positions=positions, method=method,
+                            strict=False, **kw)
+            pairs = [("token_ids", ref.token_ids, got.token_ids),
+                     ("num_accepted", ref.num_accepted, got.num_accepted)]
+        pairs += [("invalid", ref.invalid, got.invalid),
+                  ("logprob ids", ref.logprob_token_ids, got.logprob_token_ids),
+                  ("logprobs", ref.logprobs, got.logprobs)]
+        for what, a, b in pairs:
+            _close(a, b, f"{tag}: {what}", fails)
+    except Exception:  # noqa: BLE001
+        fails.append(f"{tag}: {traceback.format_exc()}")
+    report["cases"] += 1
+
+
+def _equivalence_cases(rank: int, world: int, report: dict) -> None:
+    case = 0
+    v_small = 3000 if world == 3 else 5003  # world 3: S = 1000 < TILE, tiles straddle ranks
+    for vocab in (v_small, 4099):
+        for op in ("sample", "verify"):
+            for kind in KINDS:
+                case += 1
+                _case(rank, world, case, report, vocab=vocab, op=op, kinds=[kind])
+    for draft in ("logits", "probs"):
+        for method in ("token", "block"):
+            for kinds in (["plain"], ["greedy", "plain"], ["top_k", "top_p", "penalties"]):
+                case += 1
+                _case(rank, world, case, report, vocab=v_small, op="verify", draft=draft,
+                      method=method, kinds=kinds)
+            case += 1
+            _case(rank, world, case, report, vocab=v_small, op="verify", draft=draft,
+                  method=method, kinds=["plain", "min_p"], draft_vocab=v_small - 700,
+                  trim_draft=True)
+    case += 1
+    _case(rank, world, case, report, vocab=v_small, op="verify", method="block",
+          kinds=["plain"])
+    for dtype in (torch.bfloat16, torch.float16):
+        case += 1
+        _case(rank, world, case, report, vocab=v_small, op="verify", dtype=dtype)
+    for shard in range(world):
+        case += 1
+        _case(rank, world, case, report, vocab=v_small, op="verify", nan_shard=shard)
+    case += 1
+    _case(rank, world, case, report, vocab=v_small, op="sample", ties=True,
+          kinds=["top_k", "top_p", "all_filters", "greedy"])
+    case += 1
+    _case(rank, world, case, report, vocab=v_small, op="verify", fresh=True)
+    case += 1
+    _case(rank, world, case, report, vocab=4 if world == 3 else 3, op="verify",
+          kinds=["plain", "greedy", "top_k"])  # world 3, V = 4: the last rank holds nothing
+    case += 1
+    _case(rank, world, case, report, vocab=9000, op="verify", draft="logits",
+          kinds=["plain", "top_p"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equivalence_gloo(world):
+    reports = _run_spawned(world, "_equivalence_cases")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    assert all(r["cases"] == reports[0]["cases"] > 40 for r in reports)
