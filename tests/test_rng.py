@@ -42,7 +42,9 @@ def _keys(n: int, seed: int = 0):
 
 
 STREAMS = [rng.STREAM_SAMPLE, rng.STREAM_ACCEPT, rng.STREAM_RESIDUAL, rng.STREAM_BLOCK_ACCEPT,
-           rng.STREAM_DRAFT, rng.STREAM_SAMPLE_TILE, rng.STREAM_RESIDUAL_TILE]
+           rng.STREAM_DRAFT, rng.STREAM_SAMPLE_TILE, rng.STREAM_RESIDUAL_TILE,
+           rng.STREAM_DRAFT_TILE, rng.STREAM_SAMPLE_SUB, rng.STREAM_RESIDUAL_SUB,
+           rng.STREAM_DRAFT_SUB]
 
 
 def test_streams_distinct():
@@ -109,3 +111,22 @@ def test_gumbel_bounds():
                    torch.zeros(n, dtype=torch.int64), rng.STREAM_SAMPLE)
     assert float(g.max()) <= rng.GUMBEL_MAX and float(g.min()) >= rng.GUMBEL_MIN
     assert abs(float(g.mean()) - 0.5772156649) < 0.02  # Euler-Mascheroni
+
+
+def test_numpy_and_tensor_philox_agree():
+    """CPU tensors take the numpy evaluation; other devices the tensor ops: same words."""
+    g = torch.Generator().manual_seed(5)
+    c = [torch.randint(0, 2**32, (64,), generator=g) for _ in range(6)]
+    w_t = rng.philox(*c)
+    w_n = rng._philox_numpy(*(t.numpy().astype("uint64") for t in c))
+    for a, b in zip(w_t, w_n):
+        assert a.tolist() == b.astype("int64").tolist()
+
+
+def test_sub_stream():
+    assert rng.sub_stream(rng.STREAM_SAMPLE_TILE) == rng.STREAM_SAMPLE_SUB
+    assert rng.sub_stream(rng.STREAM_RESIDUAL_TILE) == rng.STREAM_RESIDUAL_SUB
+    tok, tile = rng.draft_streams(3)
+    assert rng.sub_stream(tile) == rng.STREAM_DRAFT_SUB | 4 << 8
+    with pytest.raises(ValueError, match="tile stream"):
+        rng.sub_stream(rng.STREAM_SAMPLE)

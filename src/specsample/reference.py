@@ -13,9 +13,10 @@ float32 error bound of this module's error model (see ``REL_TOL``) of going the 
 Algorithms and where they come from:
 
 * Gumbel-max (Gumbel 1954; e.g. Maddison et al. 2014): ``argmax_x z'_x + G_x`` with
-  ``G = -log(-log U)`` i.i.d. is an exact draw from ``softmax(z')``. Rows are drawn in two
+  ``G = -log(-log U)`` i.i.d. is an exact draw from ``softmax(z')``. Rows are drawn in three
   levels (docs/semantics.md): a tile of ``rng.TILE`` tokens by Gumbel-max over the tiles'
-  log-masses, then a token inside it by Gumbel-max; P(tile) P(token | tile) = p(token).
+  log-masses, a sub-tile of ``rng.SUBTILE`` tokens of it the same way, then a token inside it
+  by Gumbel-max; P(tile) P(sub-tile | tile) P(token | sub-tile) = p(token).
 * Token-level speculative sampling (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1; Chen et
   al. 2023, arXiv 2302.01318, Alg. 2): accept draft ``x_j ~ q_j`` with probability
   ``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection emit from
@@ -60,8 +61,10 @@ from .rng import (
     STREAM_RESIDUAL_TILE,
     STREAM_SAMPLE,
     STREAM_SAMPLE_TILE,
+    SUBTILE,
     TILE,
     gumbel_scalar,
+    sub_stream,
     uniform_scalar,
 )
 
@@ -347,50 +350,71 @@ def _gumbel_max(z: np.ndarray, err: float, seed: int, pos: int, stream: int,
     return best
 
 
-def _two_level(z: np.ndarray, err: float, seed: int, pos: int, tile_stream: int,
-               token_stream: int, trace: RequestTrace | None, what: str,
-               tile_mass: list[tuple[float, float]] | None = None) -> int:
-    """Two-level Gumbel-max draw from softmax(z) (docs/semantics.md, "Sampling one row").
+def _block_draw(z: np.ndarray, err: float, seed: int, pos: int, lo: int, hi: int, size: int,
+                stream: int, trace: RequestTrace | None, what: str,
+                w_bounds: tuple[np.ndarray, np.ndarray] | None) -> tuple[int, int]:
+    """One level of the draw: the block of ``size`` ids of ``[lo, hi)`` (``lo`` a multiple of
+    ``size``) drawn with keys ``logsumexp_{x in block} z_x + G(seed, pos, block, stream)``,
+    ``block`` its global index ``start // size``; lowest index on exact ties. Returns the
+    block's ``(start, end)``. ``w_bounds``: optional bounds of the float32 weights ``exp z``
+    (residual draws) for the near-tie check, else the log-masses are taken to be within
+    ``2 err`` (+ relative rounding)."""
+    nb = -(-(hi - lo) // size)
+    if nb == 1:
+        return lo, hi
+    starts = [lo + b * size for b in range(nb)]
+    log_mass = np.array([_logsumexp(z[s0:min(s0 + size, hi)]) for s0 in starts])
+    base = lo // size
+    best = _gumbel_max(log_mass, 2 * err, seed, pos, stream, None, what, offset=base)
+    if trace is not None:
+        def bounds(b: int) -> tuple[float, float]:
+            s0, s1 = starts[b], min(starts[b] + size, hi)
+            return (float(w_bounds[0][s0:s1].sum()) * (1 - 1e-6),
+                    float(w_bounds[1][s0:s1].sum()) * (1 + 1e-6))
+
+        key_best = log_mass[best] + gumbel_scalar(seed, pos, base + best, stream)
+        for b in range(nb):
+            if b == best or not math.isfinite(log_mass[b]):
+                continue
+            key_b = log_mass[b] + gumbel_scalar(seed, pos, base + b, stream)
+            if w_bounds is not None:
+                lo_best, hi_b = bounds(best)[0], bounds(b)[1]
+                gap = ((math.log(lo_best) if lo_best > 0 else -math.inf) - math.log(hi_b)
+                       + key_best - log_mass[best] - (key_b - log_mass[b]))
+                near = gap <= REL_TOL
+            else:
+                near = key_best - key_b <= 4 * err + REL_TOL * (
+                    2 + abs(log_mass[best]) + abs(log_mass[b]))
+            if near:
+                trace.flag(f"{what} {'tile' if size == TILE else 'sub-tile'} near-tie")
+                break
+    return starts[best], min(starts[best] + size, hi)
+
+
+def _three_level(z: np.ndarray, err: float, seed: int, pos: int, tile_stream: int,
+                 token_stream: int, trace: RequestTrace | None, what: str,
+                 w_bounds: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+    """Three-level Gumbel-max draw from softmax(z) (docs/semantics.md, "Sampling one row").
 
     Tile t (ids ``TILE t .. TILE t + TILE - 1``) is drawn with keys
-    ``logsumexp_{x in t} z_x + G(seed, pos, t, tile_stream)``, then a token of it with keys
-    ``z_x + G(seed, pos, x, token_stream)``; lowest index on exact ties at both levels.
-    ``tile_mass``: optional float32 bounds of each tile's mass (residual draws), else the
-    tile log-masses are taken to be within ``2 err`` (+ relative rounding).
+    ``logsumexp_{x in t} z_x + G(seed, pos, t, tile_stream)``, then a sub-tile s of it (ids
+    ``SUBTILE s ..``) with keys ``logsumexp_{x in s} z_x + G(seed, pos, s, sub_stream)``, then a
+    token of it with keys ``z_x + G(seed, pos, x, token_stream)``; lowest index on exact ties
+    at every level. ``w_bounds``: see :func:`_block_draw`.
     """
-    nt = -(-z.shape[0] // TILE)
-    log_mass = np.array([_logsumexp(z[t * TILE:(t + 1) * TILE]) for t in range(nt)])
-    best_t = 0
-    if nt > 1:
-        best_t = _gumbel_max(log_mass, 2 * err, seed, pos, tile_stream, None, what)
-        if trace is not None:
-            key_lo = log_mass[best_t] + gumbel_scalar(seed, pos, best_t, tile_stream)
-            for t in range(nt):
-                if t == best_t or not math.isfinite(log_mass[t]):
-                    continue
-                key_t = log_mass[t] + gumbel_scalar(seed, pos, t, tile_stream)
-                if tile_mass is not None:
-                    lo_b, hi_t = tile_mass[best_t][0], tile_mass[t][1]
-                    gap = ((math.log(lo_b) if lo_b > 0 else -math.inf) - math.log(hi_t)
-                           + key_lo - log_mass[best_t] - (key_t - log_mass[t]))
-                    near = gap <= REL_TOL
-                else:
-                    near = key_lo - key_t <= 4 * err + REL_TOL * (
-                        2 + abs(log_mass[best_t]) + abs(log_mass[t]))
-                if near:
-                    trace.flag(f"{what} tile near-tie")
-                    break
-    lo = best_t * TILE
-    return lo + _gumbel_max(z[lo:lo + TILE], err, seed, pos, token_stream, trace, what,
-                            offset=lo)
+    lo, hi = _block_draw(z, err, seed, pos, 0, z.shape[0], TILE, tile_stream, trace, what,
+                         w_bounds)
+    lo, hi = _block_draw(z, err, seed, pos, lo, hi, SUBTILE, sub_stream(tile_stream), trace,
+                         what, w_bounds)
+    return lo + _gumbel_max(z[lo:hi], err, seed, pos, token_stream, trace, what, offset=lo)
 
 
 def _target_sample(row: ProcessedRow, greedy: bool, seed: int, pos: int,
                    trace: RequestTrace | None) -> int:
-    """The row's target token y: argmax (greedy) or a two-level draw (STREAM_SAMPLE*)."""
+    """The row's target token y: argmax (greedy) or a three-level draw (STREAM_SAMPLE*)."""
     if greedy:
         return _greedy(row, trace)
-    return _two_level(row.z, row.err, seed, pos, STREAM_SAMPLE_TILE, STREAM_SAMPLE, trace,
+    return _three_level(row.z, row.err, seed, pos, STREAM_SAMPLE_TILE, STREAM_SAMPLE, trace,
                       "sample")
 
 
@@ -418,21 +442,15 @@ def _residual_draw(p_row: ProcessedRow, q: np.ndarray, q_err: float, rho: float,
         return None
     with np.errstate(divide="ignore"):
         logw = np.log(w)
-    tile_mass = None
-    if trace is not None:
-        nt = -(-w.shape[0] // TILE)
-        tile_mass = [(float(w_lo[t * TILE:(t + 1) * TILE].sum()) * (1 - 1e-6),
-                      float(w_hi[t * TILE:(t + 1) * TILE].sum()) * (1 + 1e-6))
-                     for t in range(nt)]
-    best = _two_level(logw, 0.0, seed, pos, STREAM_RESIDUAL_TILE, STREAM_RESIDUAL, trace,
-                      "residual", tile_mass)
+    best = _three_level(logw, 0.0, seed, pos, STREAM_RESIDUAL_TILE, STREAM_RESIDUAL, trace,
+                        "residual", None if trace is None else (w_lo, w_hi))
     if trace is not None:
         if not np.any(w_lo > 0):
             trace.flag("residual possibly degenerate")
         g_best = gumbel_scalar(seed, pos, best, STREAM_RESIDUAL)
         lo_best = (math.log(w_lo[best]) if w_lo[best] > 0 else -math.inf) + g_best
-        tile = best // TILE
-        for x in np.flatnonzero(w_hi[tile * TILE:(tile + 1) * TILE] > 0) + tile * TILE:
+        sub = best // SUBTILE
+        for x in np.flatnonzero(w_hi[sub * SUBTILE:(sub + 1) * SUBTILE] > 0) + sub * SUBTILE:
             if x == best:
                 continue
             hi_x = math.log(w_hi[x]) + gumbel_scalar(seed, pos, int(x), STREAM_RESIDUAL)

@@ -32,12 +32,15 @@ Streams and why they are separate (DESIGN.md):
   reused by the next step; the key uses ``c0 = j + 1`` (j = draft index in the window) with
   ``position = window start + j``. The pair determines the window start, so no uniform is
   ever observed twice across speculative steps.
-* ``STREAM_DRAFT`` (4) / ``STREAM_DRAFT_TILE`` (7): a drafter's own sampling (the engine's
-  model drafter), through :func:`draft_streams`. Reusing the target's residual stream for the
-  drafter would correlate q's draw with the residual draw and bias the output. The stream word
-  also carries the draft's index j in its window (``stream | (j + 1) << 8``): block
-  verification's decision depends on drafts past the accepted prefix, so a drafter keyed by
-  position alone would reuse, in the next step, noise an earlier decision already observed.
+* ``STREAM_SAMPLE_TILE`` (5) / ``STREAM_SAMPLE_SUB`` (8), ``STREAM_RESIDUAL_TILE`` (6) /
+  ``STREAM_RESIDUAL_SUB`` (9): the tile and sub-tile levels of the draws above (below).
+* ``STREAM_DRAFT`` (4) / ``STREAM_DRAFT_TILE`` (7) / ``STREAM_DRAFT_SUB`` (10): a drafter's
+  own sampling (the engine's model drafter), through :func:`draft_streams`. Reusing the
+  target's residual stream for the drafter would correlate q's draw with the residual draw and
+  bias the output. The stream word also carries the draft's index j in its window
+  (``stream | (j + 1) << 8``): block verification's decision depends on drafts past the
+  accepted prefix, so a drafter keyed by position alone would reuse, in the next step, noise
+  an earlier decision already observed.
 
 Key reuse across steps for the other streams is unbiased: a decision at a position is only
 made once a token is emitted there, and later steps start after the last emitted position; noise
@@ -50,17 +53,24 @@ noise is the continuous Gumbel law truncated above ``GUMBEL_MAX`` (about 36.7): 
 that any of a row's draws would have been cut there is below 1e-12, far under anything
 measurable.
 
-Sampling a row uses two levels of Gumbel-max (see ``docs/semantics.md``): the vocabulary is
-cut into tiles of ``TILE`` tokens; a tile is drawn with keys ``logsumexp(tile) + G`` on the
-``*_TILE`` stream (counter = tile index), then a token inside it with keys ``z + G`` on the token
-stream (counter = token id). Because ``P(tile) * P(token | tile) = p(token)`` the draw is exact,
-and it needs noise for one tile per row instead of the whole vocabulary.
+Sampling a row uses three levels of Gumbel-max (see ``docs/semantics.md``): the vocabulary is
+cut into tiles of ``TILE`` tokens and each tile into sub-tiles of ``SUBTILE`` tokens; a tile is
+drawn with keys ``logsumexp(tile) + G`` on the ``*_TILE`` stream (counter = tile index), then a
+sub-tile of it with keys ``logsumexp(sub-tile) + G`` on the ``*_SUB`` stream (counter = global
+sub-tile index, ``token id // SUBTILE``), then a token of that sub-tile with keys ``z + G`` on
+the token stream (counter = token id). Because
+``P(tile) * P(sub-tile | tile) * P(token | sub-tile) = p(token)`` the draw is exact, and it
+needs noise for V / TILE + TILE / SUBTILE + SUBTILE values per row (235 at V = 151,936)
+instead of the whole vocabulary. ``sub_stream(tile_stream)`` names the sub-tile stream of a
+tile stream (``STREAM_SAMPLE_SUB`` 8, ``STREAM_RESIDUAL_SUB`` 9, ``STREAM_DRAFT_SUB`` 10, with
+the tile stream's high bits: a drafter's index j).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 STREAM_SAMPLE = 0
@@ -71,10 +81,17 @@ STREAM_DRAFT = 4
 STREAM_SAMPLE_TILE = 5
 STREAM_RESIDUAL_TILE = 6
 STREAM_DRAFT_TILE = 7
+STREAM_SAMPLE_SUB = 8
+STREAM_RESIDUAL_SUB = 9
+STREAM_DRAFT_SUB = 10
+_SUB_OF_TILE = {STREAM_SAMPLE_TILE: STREAM_SAMPLE_SUB, STREAM_RESIDUAL_TILE: STREAM_RESIDUAL_SUB,
+                STREAM_DRAFT_TILE: STREAM_DRAFT_SUB}
 
 #: Tokens per sampling tile (part of the random-number definition: never tied to a kernel's
 #: block size, so every backend draws the same tokens).
 TILE = 2048
+#: Tokens per sub-tile, the middle sampling level (divides TILE; also part of the definition).
+SUBTILE = 128
 
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
@@ -99,6 +116,19 @@ def draft_streams(j: int) -> tuple[int, int]:
     if j < 0 or j >= 2**20:
         raise ValueError(f"draft index must be in [0, 2**20), got {j}")
     return STREAM_DRAFT | (j + 1) << 8, STREAM_DRAFT_TILE | (j + 1) << 8
+
+
+def sub_stream(tile_stream: int) -> int:
+    """The sub-tile stream that goes with ``tile_stream`` (a ``*_TILE`` stream, possibly with
+    a drafter's index in its high bits, as :func:`draft_streams` returns it).
+
+    Raises:
+        ValueError: ``tile_stream`` is not a tile stream.
+    """
+    low = tile_stream & 0xFF
+    if low not in _SUB_OF_TILE:
+        raise ValueError(f"{tile_stream} is not a tile stream (STREAM_*_TILE)")
+    return (tile_stream & ~0xFF) | _SUB_OF_TILE[low]
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -165,13 +195,40 @@ def philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tenso
     return c0, c1
 
 
+def _philox_numpy(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray,
+                  k0: np.ndarray, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`philox` on broadcastable uint64 numpy arrays holding uint32 values: a product of
+    two uint32 values is exact in uint64, so each round is a handful of whole-array numpy
+    operations (the CPU path: a small array costs far less per operation than a tensor op)."""
+    a, b, mask = np.uint64(PHILOX_ROUND_A), np.uint64(PHILOX_ROUND_B), np.uint64(MASK32)
+    ka, kb, sh = np.uint64(PHILOX_KEY_A), np.uint64(PHILOX_KEY_B), np.uint64(32)
+    for _ in range(PHILOX_ROUNDS):
+        p0 = c2 * b
+        p1 = c0 * a
+        c0, c1, c2, c3 = (p0 >> sh) ^ c1 ^ k0, p0 & mask, (p1 >> sh) ^ c3 ^ k1, p1 & mask
+        k0 = (k0 + ka) & mask
+        k1 = (k1 + kb) & mask
+    return c0, c1
+
+
 def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
             counter: torch.Tensor, stream: int) -> torch.Tensor:
     """Float64 53-bit uniforms in (0, 1) for broadcastable keys (all int64 tensors).
 
     ``seed_lo`` / ``seed_hi``: the key words; ``position``: absolute positions (int64 >= 0);
     ``counter``: token ids or scalar indices (int64 >= 0); ``stream``: a ``STREAM_*`` constant.
+    CPU tensors are evaluated with numpy (:func:`_philox_numpy`), others with tensor ops
+    (:func:`philox`); both are this module's function bit for bit.
     """
+    if position.device.type == "cpu" and counter.device.type == "cpu":
+        u64 = np.uint64
+        words = [t.numpy(force=True).astype(u64) for t in (
+            counter & MASK32, position & MASK32, (position >> 32) & MASK32, seed_lo, seed_hi)]
+        w0, w1 = _philox_numpy(words[0], words[1], words[2], u64(stream), words[3], words[4])
+        u = (((w0 >> u64(6)) << u64(26)) + (w1 >> u64(6))).astype(np.float64)
+        u += 0.5
+        u *= UNIFORM_SCALE
+        return torch.from_numpy(u)
     c3 = torch.full((), stream, dtype=torch.int64, device=position.device)
     w0, w1 = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
                     seed_lo, seed_hi)

@@ -2,10 +2,11 @@
 
 It computes exactly the function of docs/semantics.md, in float32, on any device (the CPU path
 of the library, and the general path's reference on GPU). One pass builds the processed logits
-``z'``; one-hot verification then samples every row by two-level Gumbel-max (noise for one
-vocabulary tile per row, see ``tiled_gumbel_argmax``) and matches drafts by prefix; draft
-distributions use token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
-verification (Sun et al. 2024, Alg. 2) with a residual draw on at most one row per request.
+``z'``; one-hot verification then samples every row by three-level Gumbel-max (noise for the
+tiles, one tile's sub-tiles and one sub-tile's tokens per row, see ``tiled_gumbel_argmax``)
+and matches drafts by prefix; draft distributions use token-level rejection sampling
+(Leviathan et al. 2023, Alg. 1) or block verification (Sun et al. 2024, Alg. 2) with a
+residual draw on at most one row per request.
 """
 
 from __future__ import annotations
@@ -114,25 +115,35 @@ def processed_tile_logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo: torch.Tensor,
                         seed_hi: torch.Tensor, pos: torch.Tensor, token_stream: int,
                         tile_stream: int) -> torch.Tensor:
-    """Exact draw from softmax(z) per row by two-level Gumbel-max (docs/semantics.md).
+    """Exact draw from softmax(z) per row by three-level Gumbel-max (docs/semantics.md).
 
-    A tile t is drawn with keys ``tile_lse[t] + G(seed, pos, t, tile_stream)``, then a token x
-    of that tile with keys ``z[x] + G(seed, pos, x, token_stream)``; ties go to the lowest
-    index. ``z``: [R, V] float32 (-inf allowed); ``tile_lse``: [R, NT] or None (computed);
-    keys [R] int64. Returns [R] int64; a row of all -inf returns an id of tile 0.
+    A tile t is drawn with keys ``tile_lse[t] + G(seed, pos, t, tile_stream)``, then a
+    sub-tile s of it (``rng.SUBTILE`` tokens, global index s) with keys
+    ``logsumexp(z[s]) + G(seed, pos, s, rng.sub_stream(tile_stream))``, then a token x of that
+    sub-tile with keys ``z[x] + G(seed, pos, x, token_stream)``; ties go to the lowest index
+    at every level. ``z``: [R, V] float32 (-inf allowed); ``tile_lse``: [R, NT] or None
+    (computed); keys [R] int64. Returns [R] int64; a row of all -inf returns an id of tile 0.
     """
     r, v = z.shape
     if tile_lse is None:
         tile_lse = tile_logsumexp(z)
     nt = tile_lse.shape[1]
-    t = torch.arange(nt, device=z.device)
-    tile_keys = tile_lse.double() + rng.gumbel(seed_lo[:, None], seed_hi[:, None],
-                                               pos[:, None], t[None, :], tile_stream)
+    dev = z.device
+    seed_lo, seed_hi, pos = seed_lo[:, None], seed_hi[:, None], pos[:, None]
+    t = torch.arange(nt, device=dev)
+    tile_keys = tile_lse.double() + rng.gumbel(seed_lo, seed_hi, pos, t[None, :], tile_stream)
     best_tile = tile_keys.argmax(dim=-1)
-    width = min(rng.TILE, v)  # V < TILE: one tile of V tokens (no noise for padding)
-    tok = best_tile[:, None] * rng.TILE + torch.arange(width, device=z.device)[None, :]
-    vals = z.gather(1, tok.clamp_max(v - 1)).double()
-    keys = vals + rng.gumbel(seed_lo[:, None], seed_hi[:, None], pos[:, None], tok, token_stream)
+    # The chosen tile's values, -inf past V (padding draws no noise that matters).
+    tok = best_tile[:, None] * rng.TILE + torch.arange(rng.TILE, device=dev)[None, :]
+    vals = torch.where(tok < v, z.gather(1, tok.clamp_max(v - 1)), -math.inf)
+    nsub = rng.TILE // rng.SUBTILE
+    sub = best_tile[:, None] * nsub + torch.arange(nsub, device=dev)[None, :]
+    sub_keys = torch.logsumexp(vals.view(r, nsub, rng.SUBTILE), dim=-1).double() + rng.gumbel(
+        seed_lo, seed_hi, pos, sub, rng.sub_stream(tile_stream))
+    best_sub = sub.gather(1, sub_keys.argmax(dim=-1, keepdim=True))
+    tok = best_sub * rng.SUBTILE + torch.arange(rng.SUBTILE, device=dev)[None, :]
+    keys = vals.gather(1, tok - best_tile[:, None] * rng.TILE).double() + rng.gumbel(
+        seed_lo, seed_hi, pos, tok, token_stream)
     keys = torch.where(tok < v, keys, -math.inf)
     return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
 

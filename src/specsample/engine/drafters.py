@@ -7,7 +7,7 @@
 * :class:`ModelDrafter` (``"model"``): a second (small) transformers causal LM. Each draft is
   sampled from ``softmax(draft_logits / temperature)`` of the request, or, when the request
   has top_k / top_p / min_p, from that distribution after the same filters
-  (``specsample.probs``), with the exact two-level Gumbel-max draw on the drafter's own
+  (``specsample.probs``), with the exact three-level Gumbel-max draw on the drafter's own
   streams ``rng.draft_streams(j)``, keyed by the request's seed, the draft's absolute position
   and its index j in the window; greedy requests take the argmax. Its raw logits go to
   ``verify()`` as ``draft_logits``, or its filtered distributions as ``draft_probs``.
@@ -225,7 +225,7 @@ class ModelDrafter(Drafter):
     def sample(self, logits: torch.Tensor, ctx: DraftContext, position: int, j: int, *,
                normalised: bool = False) -> int:
         """Draw draft ``j`` of the window from ``softmax(logits / temperature)`` (argmax when
-        greedy): the exact two-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax``
+        greedy): the exact three-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax``
         on the drafter's own streams ``rng.draft_streams(j)`` at the drafted position.
         ``normalised``: ``logits`` are already the log of the distribution to draw from (log
         of ``specsample.probs``, -inf for filtered tokens); no temperature is applied."""

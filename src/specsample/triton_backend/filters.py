@@ -20,7 +20,7 @@ float64, top_k by rank, top_p on float64 masses. Three launches after the statis
    exact but slow), counted in a device counter (``filter_serial_rows``).
 3. ``rewrite_kernel`` (rows x splits): the tile sums of the statistics pass become the
    survivors' sums (tiles without survivors get 0), so the sampling kernels draw from the
-   filtered distribution with the same two-level Gumbel-max as without filters.
+   filtered distribution with the same three-level Gumbel-max as without filters.
 """
 
 from __future__ import annotations

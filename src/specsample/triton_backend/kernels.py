@@ -6,11 +6,12 @@ Two launches per call:
    and writes, per split, the running max, the sum of exp((x - max) / T) (online softmax), the
    argmax (lowest id) and validity flags; and, per ``rng.TILE``-wide vocabulary tile, the tile's
    max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass.
-2. ``finish_kernel`` (grid requests): per row, the exact two-level Gumbel-max draw (a tile from
-   the tile log-masses, then a token inside that one tile: one tile re-read and noise for
-   2048 + NT values instead of V), then greedy / one-hot prefix matching, token-level
-   rejection sampling (Leviathan et al. 2023, Alg. 1) or block verification (Sun et al. 2024,
-   Alg. 2) with a residual draw over the rejected row pair only, and the outputs.
+2. ``finish_kernel`` (grid requests): per row, the exact three-level Gumbel-max draw (a tile
+   from the tile log-masses, a sub-tile of it, then a token inside that sub-tile: one tile
+   re-read and noise for NT + 16 + 128 values instead of V), then greedy / one-hot prefix
+   matching, token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
+   verification (Sun et al. 2024, Alg. 2) with a residual draw over the rejected row pair
+   only, and the outputs.
 
 The random numbers are ``specsample.rng``'s Philox4x32-10 function bit for bit.
 """
@@ -28,6 +29,9 @@ STREAM_RESIDUAL = tl.constexpr(rng.STREAM_RESIDUAL)
 STREAM_BLOCK_ACCEPT = tl.constexpr(rng.STREAM_BLOCK_ACCEPT)
 STREAM_SAMPLE_TILE = tl.constexpr(rng.STREAM_SAMPLE_TILE)
 STREAM_RESIDUAL_TILE = tl.constexpr(rng.STREAM_RESIDUAL_TILE)
+STREAM_SAMPLE_SUB = tl.constexpr(rng.STREAM_SAMPLE_SUB)
+STREAM_RESIDUAL_SUB = tl.constexpr(rng.STREAM_RESIDUAL_SUB)
+SUBTILE = tl.constexpr(rng.SUBTILE)
 UNIFORM_SCALE = tl.constexpr(rng.UNIFORM_SCALE)
 NT_CHUNK = tl.constexpr(128)
 
@@ -241,12 +245,27 @@ def _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs):
 
 
 @triton.jit
+def _best_sub(key, tile, seed_lo, seed_hi, pos, stream: tl.constexpr, BLOCK: tl.constexpr):
+    """The middle level of the draw: global index of the sub-tile of tile ``tile`` drawn with
+    keys logsumexp(sub-tile) + G(stream), from the tile's keys ``key`` [BLOCK] (log-weights,
+    -inf where excluded); lowest index on ties."""
+    k2 = tl.reshape(key, (BLOCK // SUBTILE, SUBTILE))
+    smax = tl.max(k2, axis=1)
+    ref = tl.where(smax > -float("inf"), smax, 0.0)
+    lse = ref + tl.log(tl.sum(tl.exp(k2 - ref[:, None]), axis=1))
+    sub = tile * (BLOCK // SUBTILE) + tl.arange(0, BLOCK // SUBTILE)
+    skey = tl.where(smax > -float("inf"), lse + _gumbel(seed_lo, seed_hi, pos, sub, stream),
+                    -float("inf"))
+    return tl.argmax(skey, axis=0) + tile * (BLOCK // SUBTILE)
+
+
+@triton.jit
 def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
                   pos, cut_v, cut_i, BLOCK: tl.constexpr):
     """Exact draw from softmax((x - m) / t) of row ``r``, restricted to the survivors of the
-    cut (cut_v, cut_i), by two-level Gumbel-max: a tile with keys log-mass + G
-    (STREAM_SAMPLE_TILE), then a token of that tile with keys (x - m) / t + G
-    (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
+    cut (cut_v, cut_i), by three-level Gumbel-max: a tile with keys log-mass + G
+    (STREAM_SAMPLE_TILE), a sub-tile of it (STREAM_SAMPLE_SUB), then a token of that sub-tile
+    with keys (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
     best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
@@ -259,14 +278,20 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
         kidx = tl.argmax(key, axis=0) + c
         bt = tl.where(kmax > best, kidx, bt)
         best = tl.maximum(best, kmax)
+    row = x_ptr + r.to(tl.int64) * stride
     offs = bt * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
-                other=-float("inf")).to(tl.float32)
+    x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
+    sb = _best_sub(tl.where(fin, (x - m) / t, -float("inf")), bt, seed_lo, seed_hi, pos,
+                   STREAM_SAMPLE_SUB, BLOCK)
+    # The chosen sub-tile only (re-read from cache): noise for SUBTILE tokens, not BLOCK.
+    offs = sb * SUBTILE + tl.arange(0, SUBTILE)
+    x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     key = tl.where(fin, (x - m) / t, -float("inf"))
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
     key = tl.where(fin, key, -float("inf"))
-    return (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
+    return (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
 
 
 @triton.jit
@@ -308,7 +333,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   cut_v_ptr, cut_i_ptr, FILTERED: tl.constexpr,
                   S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
-    and draw the row's token: argmax for greedy requests, else the exact two-level Gumbel-max
+    and draw the row's token: argmax for greedy requests, else the exact three-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
     FILTERED: the filter kernels (``filters``) ran first; a filtered row's tile sums are the
     survivors', its log-normaliser is taken from them, and its draw is restricted to the cut."""
@@ -613,10 +638,10 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K, cut_v_ptr,
                          cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                          S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per request whose draft was rejected: the exact two-level Gumbel-max draw from the
-    residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; then a token of it,
-    STREAM_RESIDUAL), or the row's target sample when the residual mass is 0 (p == q to
-    rounding). Overwrites the correction token."""
+    """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
+    residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
+    STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
+    when the residual mass is 0 (p == q to rounding). Overwrites the correction token."""
     i = tl.program_id(0)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
@@ -646,8 +671,11 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                 tl.load(res_rho_ptr + i), i, r, bt, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
                 FILTERED, S_MAX, BLOCK)
-            key = tl.log(tl.where(w > 0, w, 1.0)) + _gumbel(
-                seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
-            key = tl.where(w > 0, key, -float("inf"))
+            logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
+            sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
+            # (noise for the whole tile, kept only in the chosen sub-tile: one row per
+            # rejected request, so the spare Philox work is small)
+            key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
+            key = tl.where((w > 0) & (offs // SUBTILE == sb), key, -float("inf"))
             tok = (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
         tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
