@@ -177,14 +177,124 @@ def _token_lists(name: str, lists: Sequence[Sequence[int]] | None, n: int,
     return out
 
 
+def _normal(value: float) -> float:
+    """Temperature and repetition penalty enter float32 kernels as divisors and factors: keep
+    them normal floats so neither 1/T nor a product can overflow to inf or 0 (subnormal T also
+    gave NaN; T below 2**-149 rounded to 0, i.e. silent greedy). Outside [2**-126, 2**126]
+    softmax(z / T) only changes for logit gaps below 1e-36 or logits above 1e36."""
+    return min(max(value, 2.0**-126), 2.0**126)
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def _stop_tokens(p: SamplingParams, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens min_tokens bans for ``p``: its own stop tokens, then the batch's eos ids."""
+    return tuple(dict.fromkeys((*(p.stop_token_ids or ()), *eos)))
+
+
+def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tuple[int, ...],
+                   device: torch.device, stop_users: tuple[int, ...]) -> dict:
+    """The SamplingBatch fields that follow from the params alone (ids already checked against
+    ``vocab_size``, but logit_bias): per-request scalars, logit bias, bans, the flags.
+    ``stop_users``: the requests whose stop tokens min_tokens may still ban."""
+
+    def f32(values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def i64(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    bias_req, bias_ids, bias_val = [], [], []
+    for i, p in enumerate(params):
+        for tok, val in (p.logit_bias or {}).items():
+            if tok >= vocab_size:
+                raise ValueError(f"params[{i}].logit_bias token id {tok} is outside "
+                                 f"[0, {vocab_size})")
+            bias_req.append(i)
+            bias_ids.append(tok)
+            bias_val.append(min(max(float(val), -F32_MAX), F32_MAX))
+    stop_req = [i for i in stop_users for _ in _stop_tokens(params[i], eos)]
+    stop_ids = [t for i in stop_users for t in _stop_tokens(params[i], eos)]
+    allowed_users = tuple(i for i, p in enumerate(params) if p.allowed_token_ids is not None)
+    allowed_mask = torch.zeros(len(allowed_users), vocab_size, dtype=torch.bool)
+    for slot, i in enumerate(allowed_users):
+        allowed_mask[slot, list(params[i].allowed_token_ids)] = True
+    words = [(i, word) for i, p in enumerate(params) for word in p.bad_words_token_ids or ()]
+    width = max((len(word) - 1 for _, word in words), default=0)
+    bad_prefix = torch.full((len(words), width), -1, dtype=torch.int64)
+    for w, (_, word) in enumerate(words):
+        if len(word) > 1:
+            bad_prefix[w, width - len(word) + 1:] = torch.tensor(word[:-1])
+    sampled = [not p.greedy for p in params]
+    top_k = [0 if p.top_k in (0, -1) else min(p.top_k, vocab_size) for p in params]
+    return dict(
+        temperature=f32([_normal(p.temperature) if p.temperature > 0 else 0.0 for p in params]),
+        top_k=i64(top_k),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+        presence_penalty=f32([p.presence_penalty for p in params]),
+        frequency_penalty=f32([p.frequency_penalty for p in params]),
+        repetition_penalty=f32([_normal(p.repetition_penalty) for p in params]),
+        logprobs_n=i64([-1 if p.logprobs is None else p.logprobs for p in params]),
+        logprobs_processed=torch.tensor([p.logprobs_mode == "processed" for p in params],
+                                        dtype=torch.bool, device=device),
+        bias_req=i64(bias_req),
+        bias_ids=i64(bias_ids),
+        bias_val=f32(bias_val),
+        min_tokens=i64([p.min_tokens for p in params]),
+        stop_req=i64(stop_req),
+        stop_ids=i64(stop_ids),
+        stop_users=tuple(i for i in stop_users if _stop_tokens(params[i], eos)),
+        allowed_users=allowed_users,
+        allowed_mask=allowed_mask.to(device),
+        bad_req=i64([i for i, _ in words]),
+        bad_prefix=bad_prefix.to(device),
+        bad_last=i64([word[-1] for _, word in words]),
+        user_seeded=any(p.seed is not None for p in params),
+        any_greedy=not all(sampled),
+        any_sampled=any(sampled),
+        needs_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1 or p.min_p > 0)
+                         for s, k, p in zip(sampled, top_k, params)),
+        needs_penalties=any(_penalised(p) for p in params),
+        needs_bias=bool(bias_req),
+        needs_bans=bool(stop_req or allowed_users or words),
+        max_logprobs=max(-1 if p.logprobs is None else p.logprobs for p in params),
+    )
+
+
+def _fit_width(tail: torch.Tensor, width: int) -> torch.Tensor:
+    """``tail`` [N, W] (right-aligned, -1 padded left) as [N, width]: its last ``width`` columns,
+    or padded with -1 on the left."""
+    if tail.shape[1] >= width:
+        return tail[:, tail.shape[1] - width:].contiguous()
+    return torch.nn.functional.pad(tail, (width - tail.shape[1], 0), value=-1)
+
+
 @dataclass
 class SamplingBatch:
     """The batched, device-resident form of one ``SamplingParams`` per request.
 
     Build it with :meth:`from_params`. Tensor fields have one entry per request (``[N]``);
-    the ``*_ids`` / ``*_req`` pairs are flat (request index, token id) lists used for penalties
-    and logit bias. Python-level flags let backends skip work nobody asked for without a host
-    sync.
+    the ``bias_*`` / ``stop_*`` / ``bad_*`` fields are flat (request index, token id) lists.
+    Python-level flags let backends skip work nobody asked for without a host sync.
+
+    Persistent use: :meth:`append` adds the tokens a ``sample()`` / ``verify()`` call emitted
+    to the device state below, in place and without host synchronisation; :meth:`select` keeps
+    a subset of the requests and :meth:`concat` joins batches, both carrying the state. The
+    output-token state costs the same per step whatever the history length:
+
+    * penalties: ``output_counts`` [N, V] float32, how often each token occurs among the
+      request's output tokens (exact integers up to 2**24), and ``prompt_mask`` [N, V] bool,
+      its prompt tokens; both [N, 0] when no request has a penalty, and zero rows for
+      requests without one (as :meth:`from_params` records only penalised requests);
+    * bad words: ``context_tail`` [N, W], the last W = (longest bad word - 1) tokens of
+      prompt + outputs of each request with bad words, right-aligned, -1 padded;
+    * min_tokens: ``num_output`` [N], the output count, compared on the device with
+      ``min_tokens`` at every row, so the stop-token entries (``stop_req`` / ``stop_ids`` of
+      ``stop_users``, host tuple) stay exact after min_tokens is reached; ``needs_bans`` then
+      stays conservatively True until :meth:`refresh_min_tokens` (one host read) drops them.
     """
 
     params: tuple[SamplingParams, ...]
@@ -204,14 +314,13 @@ class SamplingBatch:
     bias_req: torch.Tensor  # [nb] int64
     bias_ids: torch.Tensor  # [nb] int64
     bias_val: torch.Tensor  # [nb] float32
-    output_req: torch.Tensor  # [no] int64 (one entry per output token occurrence)
-    output_ids: torch.Tensor  # [no] int64
-    prompt_req: torch.Tensor  # [np] int64
-    prompt_ids: torch.Tensor  # [np] int64
+    output_counts: torch.Tensor  # [N, V] float32 output-token counts (penalties), else [N, 0]
+    prompt_mask: torch.Tensor  # [N, V] bool prompt tokens (repetition penalty), else [N, 0]
     num_output: torch.Tensor  # [N] int64 output tokens so far (min_tokens)
     min_tokens: torch.Tensor  # [N] int64
-    stop_req: torch.Tensor  # [ns] int64: stop tokens (own + eos) of requests below min_tokens
+    stop_req: torch.Tensor  # [ns] int64: stop tokens (own + eos) of stop_users
     stop_ids: torch.Tensor  # [ns] int64
+    stop_users: tuple[int, ...]  # requests that were below min_tokens when last known (host)
     allowed_users: tuple[int, ...]  # requests with allowed_token_ids (host)
     allowed_mask: torch.Tensor  # [len(allowed_users), V] bool, True = may be emitted
     bad_req: torch.Tensor  # [nw] int64, one entry per bad word
@@ -242,6 +351,38 @@ class SamplingBatch:
         filters (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
+    @staticmethod
+    def _flat(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request index, token id) pairs [M] int64 of a dense [N, V] count / mask, each pair
+        repeated by its count, ordered by request then id (reads the sizes on the host)."""
+        if not dense.shape[1]:
+            empty = torch.empty(0, dtype=torch.int64, device=dense.device)
+            return empty, empty
+        req, ids = dense.nonzero(as_tuple=True)
+        reps = dense[req, ids].to(torch.int64)
+        return req.repeat_interleave(reps), ids.repeat_interleave(reps)
+
+    @property
+    def output_req(self) -> torch.Tensor:
+        """[no] int64 request of every counted output token occurrence (from ``output_counts``;
+        a host synchronisation: for references and tests)."""
+        return self._flat(self.output_counts)[0]
+
+    @property
+    def output_ids(self) -> torch.Tensor:
+        """[no] int64 the counted output token occurrences, by request then id (host sync)."""
+        return self._flat(self.output_counts)[1]
+
+    @property
+    def prompt_req(self) -> torch.Tensor:
+        """[np] int64 request of every distinct prompt token recorded (repetition penalty)."""
+        return self._flat(self.prompt_mask)[0]
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """[np] int64 the distinct prompt tokens recorded, by request then id (host sync)."""
+        return self._flat(self.prompt_mask)[1]
+
     @classmethod
     def from_params(
         cls,
@@ -258,7 +399,8 @@ class SamplingBatch:
         ``prompt_token_ids`` / ``output_token_ids``: one token-id sequence per request, needed
         only for penalties (presence / frequency count output tokens; repetition counts prompt
         and output tokens), bad words (the context a word's other tokens must end) and
-        min_tokens (the output count); missing lists count as empty. ``eos_token_ids``: ids
+        min_tokens (the output count); missing lists count as empty. Later outputs can be
+        added with :meth:`append` instead of rebuilding. ``eos_token_ids``: ids
         shared by every request that join each request's ``stop_token_ids`` (min_tokens bans
         them). Requests with ``seed=None`` get a fresh seed drawn from torch's default (CPU)
         generator here, and the batch gets ``fresh_counter`` ([1] int64 on ``device``; when no
@@ -301,16 +443,6 @@ class SamplingBatch:
         counter_start = 0 if any(p.seed is not None for p in params) else int(
             torch.randint(0, FRESH_PERIOD, (), dtype=torch.int64))
 
-        bias_req, bias_ids, bias_val = [], [], []
-        for i, p in enumerate(params):
-            for tok, val in (p.logit_bias or {}).items():
-                if tok >= vocab_size:
-                    raise ValueError(f"params[{i}].logit_bias token id {tok} is outside "
-                                     f"[0, {vocab_size})")
-                bias_req.append(i)
-                bias_ids.append(tok)
-                bias_val.append(min(max(float(val), -F32_MAX), F32_MAX))
-
         eos = () if eos_token_ids is None else _id_tuple(eos_token_ids, "eos_token_ids",
                                                           nonempty=False)
 
@@ -326,103 +458,230 @@ class SamplingBatch:
             for w, word in enumerate(p.bad_words_token_ids or ()):
                 check_ids(f"params[{i}].bad_words_token_ids[{w}]", word)
 
-        # Bans. min_tokens: the stop tokens of requests still below their min_tokens (row j
-        # of a request bans them while num_output + j < min_tokens).
-        stop_req, stop_ids = [], []
-        for i, p in enumerate(params):
-            if len(outputs[i]) < p.min_tokens:
-                for tok in dict.fromkeys((*(p.stop_token_ids or ()), *eos)):
-                    stop_req.append(i)
-                    stop_ids.append(tok)
-        allowed_users = tuple(i for i, p in enumerate(params) if p.allowed_token_ids is not None)
-        allowed_mask = torch.zeros(len(allowed_users), vocab_size, dtype=torch.bool)
-        for slot, i in enumerate(allowed_users):
-            allowed_mask[slot, list(params[i].allowed_token_ids)] = True
-        words = [(i, word) for i, p in enumerate(params) for word in p.bad_words_token_ids or ()]
-        width = max((len(word) - 1 for _, word in words), default=0)
-        bad_prefix = torch.full((len(words), width), -1, dtype=torch.int64)
+        # min_tokens: the stop tokens of requests still below their min_tokens (row j of a
+        # request bans them while num_output + j < min_tokens).
+        stop_users = tuple(i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens)
+        static = _static_fields(params, vocab_size, eos, device, stop_users)
+        width = static["bad_prefix"].shape[1]
         tail = torch.full((n, width), -1, dtype=torch.int64)
-        for w, (_, word) in enumerate(words):
-            if len(word) > 1:
-                bad_prefix[w, width - len(word) + 1:] = torch.tensor(word[:-1])
         if width:
-            for i in {i for i, _ in words}:
+            for i in {i for i, p in enumerate(params) if p.bad_words_token_ids}:
                 context = (prompts[i] + outputs[i])[-width:]
                 if context:
                     tail[i, width - len(context):] = torch.tensor(context)
-
-        penal = [p.presence_penalty != 0 or p.frequency_penalty != 0
-                 or p.repetition_penalty != 1 for p in params]
-
-        # Temperature and repetition penalty enter float32 kernels as divisors and factors:
-        # keep them normal floats so neither 1/T nor a product can overflow to inf or 0
-        # (subnormal T also gave NaN; T below 2**-149 rounded to 0, i.e. silent greedy).
-        # Outside [2**-126, 2**126] softmax(z / T) only changes for logit gaps below 1e-36 or
-        # logits above 1e36. logit_bias is clamped to float32's finite range.
-        def normal(value: float) -> float:
-            return min(max(value, 2.0**-126), 2.0**126)
-
-        def f32(values):
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def f64(values):
-            return torch.tensor(values, dtype=torch.float64, device=device)
+        cols = vocab_size if static["needs_penalties"] else 0
+        counts = torch.zeros(n, cols, dtype=torch.float32)
+        prompt = torch.zeros(n, cols, dtype=torch.bool)
+        for i, p in enumerate(params):
+            if _penalised(p) and outputs[i]:
+                counts[i].index_put_((torch.tensor(outputs[i]),), torch.ones(len(outputs[i])),
+                                     accumulate=True)
+            if p.repetition_penalty != 1 and prompts[i]:
+                prompt[i, prompts[i]] = True
 
         def i64(values):
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        out_req = [i for i, seq in enumerate(outputs) if penal[i] for _ in seq]
-        out_ids = [t for i, seq in enumerate(outputs) if penal[i] for t in seq]
-        pr_req = [i for i, seq in enumerate(prompts)
-                  if params[i].repetition_penalty != 1 for _ in seq]
-        pr_ids = [t for i, seq in enumerate(prompts) if params[i].repetition_penalty != 1
-                  for t in seq]
-        sampled = [not p.greedy for p in params]
-        top_k = [0 if p.top_k in (0, -1) else min(p.top_k, vocab_size) for p in params]
         return cls(
             params=params,
             vocab_size=vocab_size,
             device=device,
-            temperature=f32([normal(p.temperature) if p.temperature > 0 else 0.0
-                             for p in params]),
-            top_k=i64(top_k),
-            top_p=f64([p.top_p for p in params]),
-            min_p=f64([p.min_p for p in params]),
             seed_lo=i64([s[0] for s in split]),
             seed_hi=i64([s[1] for s in split]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            repetition_penalty=f32([normal(p.repetition_penalty) for p in params]),
-            logprobs_n=i64([-1 if p.logprobs is None else p.logprobs for p in params]),
-            logprobs_processed=torch.tensor(
-                [p.logprobs_mode == "processed" for p in params], dtype=torch.bool,
-                device=device),
-            bias_req=i64(bias_req),
-            bias_ids=i64(bias_ids),
-            bias_val=f32(bias_val),
-            output_req=i64(out_req),
-            output_ids=i64(out_ids),
-            prompt_req=i64(pr_req),
-            prompt_ids=i64(pr_ids),
+            output_counts=counts.to(device),
+            prompt_mask=prompt.to(device),
             num_output=i64([len(seq) for seq in outputs]),
-            min_tokens=i64([p.min_tokens for p in params]),
-            stop_req=i64(stop_req),
-            stop_ids=i64(stop_ids),
-            allowed_users=allowed_users,
-            allowed_mask=allowed_mask.to(device),
-            bad_req=i64([i for i, _ in words]),
-            bad_prefix=bad_prefix.to(device),
-            bad_last=i64([word[-1] for _, word in words]),
             context_tail=tail.to(device),
             fresh_counter=i64([counter_start]),
             eos_token_ids=eos,
-            user_seeded=any(p.seed is not None for p in params),
-            any_greedy=not all(sampled),
-            any_sampled=any(sampled),
-            needs_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1 or p.min_p > 0)
-                             for s, k, p in zip(sampled, top_k, params)),
-            needs_penalties=any(penal),
-            needs_bias=bool(bias_req),
-            needs_bans=bool(stop_req or allowed_users or words),
-            max_logprobs=max(-1 if p.logprobs is None else p.logprobs for p in params),
+            **static,
         )
+
+    # ------------------------------------------------------------------ persistent batch
+
+    def append(self, out) -> None:
+        """Add the tokens ``out`` emitted to every request's output tokens, in place.
+
+        ``out``: the ``SampleOutput`` or ``VerifyOutput`` of a ``sample()`` / ``verify()``
+        call on this batch (N requests, on its device). A request's emitted tokens are its
+        accepted drafts and its correction / bonus token (``token_ids[:, :num_accepted + 1]``,
+        one token for a SampleOutput); an invalid request emits none. Updates ``num_output``,
+        ``output_counts`` (penalised requests) and ``context_tail`` (requests with bad
+        words) with device ops whose cost depends on N and K only, never on the history
+        length; no host synchronisation (CUDA graphs can capture it). Tokens outside
+        [0, vocab_size) are not counted (sample() and verify() never emit them).
+
+        Raises:
+            ValueError: ``out`` is not a SampleOutput / VerifyOutput, or its shapes or device
+                do not match the batch.
+        """
+        from .outputs import SampleOutput, VerifyOutput
+
+        n = self.num_requests
+        if isinstance(out, VerifyOutput):
+            tok = out.token_ids
+            if tok.dim() != 2 or tok.shape[0] != n or out.num_accepted.shape != (n,):
+                raise ValueError(f"append(): VerifyOutput token_ids must be [{n}, K+1] and "
+                                 f"num_accepted [{n}], got {tuple(tok.shape)} and "
+                                 f"{tuple(out.num_accepted.shape)}")
+            j = torch.arange(tok.shape[1], device=tok.device)
+            emitted = j[None, :] <= out.num_accepted[:, None]
+        elif isinstance(out, SampleOutput):
+            if out.token_ids.shape != (n,):
+                raise ValueError(f"append(): SampleOutput token_ids must be [{n}], got "
+                                 f"{tuple(out.token_ids.shape)}")
+            tok = out.token_ids[:, None]
+            emitted = torch.ones_like(tok, dtype=torch.bool)
+        else:
+            raise ValueError(f"append() takes a SampleOutput or VerifyOutput, got "
+                             f"{type(out).__name__}")
+        if out.invalid.shape != (n,):
+            raise ValueError(f"append(): invalid must be [{n}], got {tuple(out.invalid.shape)}")
+        if tok.device != self.num_output.device:
+            raise ValueError(f"append(): the output is on {tok.device} but the batch on "
+                             f"{self.num_output.device}")
+        emitted = emitted & ~out.invalid[:, None] & (tok >= 0) & (tok < self.vocab_size)
+        tok = torch.where(emitted, tok, -1)
+        count = emitted.sum(1)
+        if self.output_counts.shape[1]:
+            penal = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                     | (self.repetition_penalty != 1))
+            rows = torch.arange(n, device=tok.device)[:, None].expand_as(tok)
+            add = (emitted & penal[:, None]).to(torch.float32)
+            self.output_counts.index_put_((rows.reshape(-1), tok.clamp_min(0).reshape(-1)),
+                                          add.reshape(-1), accumulate=True)
+        width = self.context_tail.shape[1]
+        if width:
+            # The last W of (tail, emitted tokens): columns count .. count + W - 1.
+            seq = torch.cat([self.context_tail, tok], dim=1)
+            rolled = seq.gather(1, count[:, None] + torch.arange(width, device=tok.device))
+            words = torch.zeros(n, dtype=torch.bool, device=tok.device)
+            words[self.bad_req] = True
+            self.context_tail.copy_(torch.where(words[:, None], rolled, self.context_tail))
+        self.num_output.add_(count)
+
+    def select(self, indices) -> SamplingBatch:
+        """A batch of the requests at ``indices`` (in that order), with their state.
+
+        ``indices``: distinct ints in [0, N) (a sequence or a 1-D CPU integer tensor; at least
+        one), e.g. the unfinished requests. Seeds, ``output_counts``, ``prompt_mask``,
+        ``num_output`` and ``context_tail`` rows follow their requests (device copies, no host
+        read); the result shares this batch's ``fresh_counter``, so calls with
+        ``positions=None`` on either draw fresh noise. Tensors are new: CUDA graphs that
+        captured this batch must be captured again for the selection.
+
+        Raises:
+            ValueError: ``indices`` empty, not ints, out of range or repeated.
+        """
+        if isinstance(indices, torch.Tensor):
+            if indices.device.type != "cpu" or indices.dim() != 1 or (
+                    indices.dtype.is_floating_point or indices.dtype == torch.bool):
+                raise ValueError("select(): indices must be host ints (a sequence or a 1-D "
+                                 "CPU integer tensor)")
+            indices = indices.tolist()
+        try:
+            idx = [_as_int(i, "select() index") for i in indices]
+        except TypeError:
+            raise ValueError(f"select(): indices must be a sequence of ints, got "
+                             f"{type(indices).__name__}") from None
+        n = self.num_requests
+        if not idx:
+            raise ValueError("select(): indices must name at least one request")
+        bad = [i for i in idx if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"select(): indices must be in [0, {n}), got {bad[:5]}")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"select(): indices must be distinct, got {idx}")
+        params = tuple(self.params[i] for i in idx)
+        pos = {i: new for new, i in enumerate(idx)}
+        stop_users = tuple(pos[i] for i in self.stop_users if i in pos)
+        static = _static_fields(params, self.vocab_size, self.eos_token_ids, self.device,
+                                sorted(stop_users))
+        rows = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        cols = self.vocab_size if static["needs_penalties"] else 0
+        return SamplingBatch(
+            params=params, vocab_size=self.vocab_size, device=self.device,
+            seed_lo=self.seed_lo[rows], seed_hi=self.seed_hi[rows],
+            output_counts=self.output_counts[rows, :cols],
+            prompt_mask=self.prompt_mask[rows, :cols],
+            num_output=self.num_output[rows],
+            context_tail=_fit_width(self.context_tail[rows], static["bad_prefix"].shape[1]),
+            fresh_counter=self.fresh_counter, eos_token_ids=self.eos_token_ids, **static)
+
+    @staticmethod
+    def concat(batches: Sequence[SamplingBatch]) -> SamplingBatch:
+        """One batch of the requests of ``batches``, in order, with their state.
+
+        The batches must share ``vocab_size``, ``device`` and ``eos_token_ids``. State rows
+        are joined (device copies, no host read); ``context_tail`` is widened with -1 on the
+        left where a batch's words were shorter (its requests' own words never look further
+        back), ``output_counts`` / ``prompt_mask`` get zero rows for a batch without
+        penalties (its requests have none). ``fresh_counter`` is a new tensor holding the
+        largest of the batches' counters; keep using the joined batch (the sources' counters
+        are not advanced by its calls).
+
+        Raises:
+            ValueError: no batches, a non-SamplingBatch, or batches that differ in
+                vocab_size, device or eos_token_ids.
+        """
+        batches = list(batches) if isinstance(batches, Iterable) else None
+        if not batches or not all(isinstance(b, SamplingBatch) for b in batches):
+            raise ValueError("concat() needs a non-empty sequence of SamplingBatch")
+        first = batches[0]
+        for b in batches[1:]:
+            if (b.vocab_size, b.device, b.eos_token_ids) != (
+                    first.vocab_size, first.device, first.eos_token_ids):
+                raise ValueError("concat(): batches must share vocab_size, device and "
+                                 f"eos_token_ids, got ({first.vocab_size}, {first.device}, "
+                                 f"{first.eos_token_ids}) and ({b.vocab_size}, {b.device}, "
+                                 f"{b.eos_token_ids})")
+        params = tuple(p for b in batches for p in b.params)
+        stop_users, offset = [], 0
+        for b in batches:
+            stop_users += [offset + i for i in b.stop_users]
+            offset += b.num_requests
+        static = _static_fields(params, first.vocab_size, first.eos_token_ids, first.device,
+                                tuple(stop_users))
+        width = static["bad_prefix"].shape[1]
+        cols = first.vocab_size if static["needs_penalties"] else 0
+
+        def dense(b: SamplingBatch, t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[1] == cols else torch.zeros(
+                b.num_requests, cols, dtype=t.dtype, device=t.device)
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(b, name) for b in batches])
+
+        return SamplingBatch(
+            params=params, vocab_size=first.vocab_size, device=first.device,
+            seed_lo=cat("seed_lo"), seed_hi=cat("seed_hi"),
+            output_counts=torch.cat([dense(b, b.output_counts) for b in batches]),
+            prompt_mask=torch.cat([dense(b, b.prompt_mask) for b in batches]),
+            num_output=cat("num_output"),
+            context_tail=torch.cat([_fit_width(b.context_tail, width) for b in batches]),
+            fresh_counter=torch.stack([b.fresh_counter for b in batches]).amax(0),
+            eos_token_ids=first.eos_token_ids, **static)
+
+    def refresh_min_tokens(self) -> bool:
+        """Drop the stop-token bans of requests that reached their min_tokens; one host read.
+
+        :meth:`append` counts outputs on the device, so the host does not know when a
+        request passes its min_tokens: its stop tokens stay in ``stop_req`` (banned only
+        while ``num_output + j < min_tokens``, so results are exact) and ``needs_bans``
+        stays True, which keeps the Triton backend on its general path. Call this where the
+        caller synchronises anyway (e.g. after reading the tokens); it reads ``num_output``
+        (only when some request still has stop-token entries) and rebuilds the entries.
+        Returns whether anything changed.
+        """
+        if not self.stop_users:
+            return False
+        num_output = self.num_output.tolist()
+        mins = [p.min_tokens for p in self.params]
+        keep = tuple(i for i in self.stop_users if num_output[i] < mins[i])
+        if keep == self.stop_users:
+            return False
+        static = _static_fields(self.params, self.vocab_size, self.eos_token_ids, self.device,
+                                keep)
+        for name in ("stop_req", "stop_ids", "stop_users", "needs_bans"):
+            setattr(self, name, static[name])
+        return True

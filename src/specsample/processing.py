@@ -19,13 +19,9 @@ from .plan import Plan
 
 
 def _output_counts(plan: Plan) -> torch.Tensor:
-    """[T, V] float32 counts of output tokens per row: the request's outputs + drafts before j."""
-    batch, dev = plan.batch, plan.logits.device
-    n, v = batch.num_requests, plan.vocab_size
-    per_req = torch.zeros(n, v, dtype=torch.float32, device=dev)
-    per_req.index_put_((batch.output_req, batch.output_ids),
-                       torch.ones_like(batch.output_ids, dtype=torch.float32), accumulate=True)
-    counts = per_req[plan.row_req]
+    """[T, V] float32 counts of output tokens per row: the request's outputs (the batch's
+    ``output_counts``) + its drafts before j."""
+    counts = plan.batch.output_counts[plan.row_req]
     # Drafts before row j: pairs (row of request i at j, draft j') for j' < j <= k_eff.
     rows, toks = plan.prior_draft_pairs()
     if rows.numel():
@@ -132,11 +128,8 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     if batch.needs_penalties:
         counts = _output_counts(plan)
         seen = counts > 0
-        prompt = torch.zeros(batch.num_requests, plan.vocab_size, dtype=torch.bool,
-                             device=z.device)
-        prompt[batch.prompt_req, batch.prompt_ids] = True
         rep = batch.repetition_penalty[plan.row_req, None]
-        mask = seen | prompt[plan.row_req]
+        mask = seen | batch.prompt_mask[plan.row_req]
         z.copy_(torch.where(mask, torch.where(z > 0, z / rep, z * rep), z))
         z -= batch.frequency_penalty[plan.row_req, None] * counts
         z -= batch.presence_penalty[plan.row_req, None] * seen

@@ -246,11 +246,12 @@ class SpeculativeEngine:
                     if self.max_positions is not None and len(req.prompt) >= self.max_positions:
                         req.finish_reason = "length"
                 t1 = time.perf_counter()
+                batch = None  # the active requests' SamplingBatch, kept across steps
                 while True:
                     active = [r for r in requests if r.finish_reason is None]
                     if not active:
                         break
-                    self._step(core, active, max_new_tokens, on_tokens)
+                    batch = self._step(core, active, batch, max_new_tokens, on_tokens)
                     stats.steps += 1
         except KeyboardInterrupt:
             interrupted = True
@@ -289,8 +290,21 @@ class SpeculativeEngine:
                                f"tokens, more than k={k}")
         return draft
 
-    def _step(self, core: Any, active: list[_Request], max_new_tokens: int,
-              on_tokens: TokenCallback | None) -> None:
+    def _batch(self, core: Any, active: list[_Request], device: torch.device) -> Any:
+        """The SamplingBatch of ``active`` (built once; later steps update it in place)."""
+        return core.SamplingBatch.from_params(
+            [r.params for r in active], vocab_size=self.vocab_size, device=device,
+            prompt_token_ids=[r.prompt for r in active],
+            output_token_ids=[r.generated for r in active],
+            # min_tokens bans them (an id outside the vocabulary is never emitted anyway)
+            eos_token_ids=sorted(t for t in self.eos_token_ids if t < self.vocab_size))
+
+    def _step(self, core: Any, active: list[_Request], batch: Any, max_new_tokens: int,
+              on_tokens: TokenCallback | None) -> Any:
+        """One step for ``active`` (in ``batch``'s order; None: build it here). ``batch`` gets
+        the emitted tokens (``append``: penalties, bad words and min_tokens see them next
+        step); returns it restricted to the requests still unfinished (``select``), or None
+        when none is."""
         drafts = [self._draft(req, self._num_drafts(req, max_new_tokens)) for req in active]
         rows = []
         for req, draft in zip(active, drafts, strict=True):
@@ -299,13 +313,8 @@ class SpeculativeEngine:
         target_logits = torch.cat(rows, dim=0)
         positions = torch.tensor([len(r.prompt) + len(r.generated) for r in active],
                                  dtype=torch.int64, device=target_logits.device)
-        batch = core.SamplingBatch.from_params(
-            [r.params for r in active], vocab_size=self.vocab_size,
-            device=target_logits.device,
-            prompt_token_ids=[r.prompt for r in active],
-            output_token_ids=[r.generated for r in active],
-            # min_tokens bans them (an id outside the vocabulary is never emitted anyway)
-            eos_token_ids=sorted(t for t in self.eos_token_ids if t < self.vocab_size))
+        if batch is None:
+            batch = self._batch(core, active, target_logits.device)
 
         if not self.drafter.speculative:
             out = core.sample(target_logits, batch, positions=positions)
@@ -333,6 +342,8 @@ class SpeculativeEngine:
             accepted = out.num_accepted.tolist()
             ids = out.token_ids.tolist()
             emitted = [ids[j][: accepted[j] + 1] for j in range(len(active))]
+        # All emitted tokens: a request whose commit stops early (EOS, length) leaves below.
+        batch.append(out)
 
         for req, draft, acc, new in zip(active, drafts, accepted, emitted, strict=True):
             k = len(draft.token_ids)
@@ -359,6 +370,13 @@ class SpeculativeEngine:
             req.stats.emitted += len(committed)
             if on_tokens is not None and committed:
                 on_tokens(req.index, committed)
+        still = [j for j, req in enumerate(active) if req.finish_reason is None]
+        if not still:
+            return None
+        if len(still) < len(active):
+            batch = batch.select(still)
+        batch.refresh_min_tokens()  # (the tokens were read above: this sync costs little)
+        return batch
 
 
 def generate(target: Any, prompts: Sequence[Sequence[int]], params: Any = None, *,
