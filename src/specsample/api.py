@@ -294,9 +294,10 @@ def verify(
             list / CPU tensor is checked on the host (ValueError). A device (CUDA) tensor
             is read on the host (one synchronisation) unless ``max_num_draft_tokens`` is
             given: then the row layout is derived on the device (no synchronisation; CUDA
-            graphs can capture the call), with S = ``draft_token_ids.shape[0]``, and an
-            entry < 0 or > max_num_draft_tokens makes that request invalid, entries that do
-            not sum to S make every request invalid (error bit ERR_NUM_DRAFT_TOKENS).
+            graphs can capture the call), with S = ``draft_token_ids.shape[0]``; an entry
+            > max_num_draft_tokens makes that request invalid, a negative entry or entries
+            that do not sum to S make every request invalid (error bit
+            ``specsample.plan.ERR_NUM_DRAFT_TOKENS``).
         batch: SamplingBatch of the N requests.
         draft_logits: [sum k_i, V'] raw logits of a drafter that sampled from
             softmax(draft_logits / T_i); V' <= V.
