@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 import specsample
-from specsample import SamplingBatch, SamplingParams
+from specsample import SamplingBatch, SamplingError, SamplingParams
 
 JOIN_TIMEOUT_S = 150
 
@@ -152,7 +152,7 @@ def _close(a, b, what: str, fails: list, tol: float = 1e-5) -> None:
 def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str,
           draft: str = "onehot", method: str = "token", kinds=None, dtype=torch.float32,
           nan_shard: int | None = None, trim_draft: bool = False, draft_vocab=None,
-          ties: bool = False, fresh: bool = False) -> None:
+          ties: bool = False, fresh: bool = False, device: str = "cpu") -> None:
     import specsample.distributed as sd
 
     gen = torch.Generator().manual_seed(1000 + case)
@@ -199,13 +199,17 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
     def batch_for(r: int) -> SamplingBatch:
         torch.manual_seed(77 * case + r)
         return SamplingBatch.from_params(params, vocab_size=vocab, prompt_token_ids=prompts,
-                                         output_token_ids=outputs, eos_token_ids=[vocab - 2])
+                                         output_token_ids=outputs, eos_token_ids=[vocab - 2],
+                                         device=device)
 
     ref_batch, my_batch = batch_for(0), batch_for(rank)
     logits = logits.to(dtype)
     fails = report["failures"]
     tag = f"case {case} (V={vocab}, W={world}, {op}, {draft}, {method}, {[p for p in params]})"
-    local = _shard(logits, rank, world, vocab, gen)
+    local = _shard(logits, rank, world, vocab, gen).to(device)
+    logits, drafts = logits.to(device), drafts.to(device)
+    dl = None if dl is None else dl.to(device)
+    dp = None if dp is None else dp.to(device)
     try:
         if op == "sample":
             ref = specsample.sample(logits, ref_batch, positions=positions, strict=False)
@@ -214,9 +218,11 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
         else:
             kw = {}
             if dl is not None:
-                kw["local_draft_logits"] = _shard(dl, rank, world, vocab, gen, trim=trim_draft)
+                kw["local_draft_logits"] = _shard(dl.cpu(), rank, world, vocab, gen,
+                                                  trim=trim_draft).to(device)
             if dp is not None:
-                kw["local_draft_probs"] = _shard(dp, rank, world, vocab, gen, trim=trim_draft)
+                kw["local_draft_probs"] = _shard(dp.cpu(), rank, world, vocab, gen,
+                                                 trim=trim_draft).to(device)
             ref = specsample.verify(logits, drafts, k, ref_batch, draft_logits=dl,
                                     draft_probs=dp, positions=positions, method=method,
                                     strict=False)
@@ -228,7 +234,8 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
                   ("logprob ids", ref.logprob_token_ids, got.logprob_token_ids),
                   ("logprobs", ref.logprobs, got.logprobs)]
         for what, a, b in pairs:
-            _close(a, b, f"{tag}: {what}", fails)
+            _close(None if a is None else a.cpu(), None if b is None else b.cpu(),
+                   f"{tag}: {what}", fails)
     except Exception:  # noqa: BLE001
         fails.append(f"{tag}: {traceback.format_exc()}")
     report["cases"] += 1
@@ -280,3 +287,168 @@ def test_equivalence_gloo(world):
     fails = [f for r in reports for f in r["failures"]]
     assert not fails, "\n".join(fails[:5])
     assert all(r["cases"] == reports[0]["cases"] > 40 for r in reports)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _expect(report: dict, what: str, exc: type, fn) -> None:
+    try:
+        fn()
+    except exc as e:
+        report.setdefault("messages", []).append(f"{what}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        report["failures"].append(f"{what}: raised {type(e).__name__}: {e}")
+        return
+    report["failures"].append(f"{what}: did not raise {exc.__name__}")
+
+
+def _error_cases(rank: int, world: int, report: dict) -> None:
+    import specsample.distributed as sd
+
+    vocab = 3001
+    s = -(-vocab // world)
+    params = [SamplingParams(seed=1), SamplingParams(temperature=0.0, seed=2)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(2 + 3, vocab, generator=gen)
+    local = _shard(full, rank, world, vocab, gen)
+    drafts, k, pos = torch.tensor([1, 2, 3]), [3, 0], torch.tensor([10, 20])
+
+    def good():
+        ref = specsample.verify(full, drafts, k, batch, positions=pos)
+        got = sd.verify(local, drafts, k, batch, positions=pos)
+        if not torch.equal(ref.token_ids, got.token_ids):
+            report["failures"].append("the group is out of step after an error")
+
+    last = rank == world - 1
+    # rows differ between ranks (the last rank's call is locally invalid)
+    _expect(report, "rows", ValueError, lambda: sd.verify(
+        local[:4] if last else local, drafts, k, batch, positions=pos))
+    good()
+    # a shard of the wrong width on one rank
+    _expect(report, "width", ValueError, lambda: sd.verify(
+        local[:, :-1] if last else local, drafts, k, batch, positions=pos))
+    good()
+    # a different vocabulary on one rank (its shard width then also disagrees)
+    other = SamplingBatch.from_params(params, vocab_size=vocab + world)
+    _expect(report, "vocab", ValueError, lambda: sd.verify(
+        _shard(torch.randn(5, vocab + world), rank, world, vocab + world, gen) if last
+        else local, drafts, k, other if last else batch, positions=pos))
+    good()
+    # locally valid, globally inconsistent: one rank verifies with method "block"
+    _expect(report, "method", ValueError, lambda: sd.verify(
+        local, drafts, k, batch, positions=pos, method="block" if last else "token"))
+    good()
+    # a ValueError on one rank only (bad positions shape)
+    _expect(report, "positions", ValueError, lambda: sd.verify(
+        local, drafts, k, batch, positions=torch.tensor([1]) if last else pos))
+    good()
+    # draft probs on one rank only
+    probs = torch.full((3, s), 1.0 / vocab)
+    _expect(report, "draft kind", ValueError, lambda: sd.verify(
+        local, drafts, k, batch, positions=pos, local_draft_probs=probs if last else None))
+    good()
+    # positions=None with user seeds: every rank fails locally
+    _expect(report, "seeded without positions", ValueError,
+            lambda: sd.verify(local, drafts, k, batch))
+    good()
+    # NaN on one shard: SamplingError on every rank with strict=True, invalid with False
+    bad = local.clone()
+    if last:
+        bad[0, 0] = math.nan
+    _expect(report, "strict NaN", SamplingError, lambda: sd.verify(
+        bad, drafts, k, batch, positions=pos))
+    out = sd.verify(bad, drafts, k, batch, positions=pos, strict=False)
+    if out.invalid.tolist() != [True, False] or out.token_ids[0].tolist() != [-1] * 4:
+        report["failures"].append(f"NaN on one shard: {out}")
+    good()
+    report["cases"] += 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_errors_raise_on_every_rank(world):
+    reports = _run_spawned(world, "_error_cases")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    for r in reports:
+        assert r["cases"] == 1 and len(r["messages"]) == 8, r.get("messages")
+    # every rank names the problem
+    assert any("positions must have shape" in m for m in reports[0]["messages"])
+
+
+# ----------------------------------------------------------------------- statistics
+
+
+def _chi_square_cases(rank: int, world: int, report: dict) -> None:
+    """Distributed sample() against the exact softmax (a G-test on the top tokens + rest),
+    and the same test on a deliberately wrong sampler (temperature 1.15 for 1.0), which it
+    must reject."""
+    import numpy as np
+    from scipy import stats
+
+    import specsample.distributed as sd
+
+    vocab, n = 4500, 4000
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(vocab, generator=gen) * 2.5
+    p = torch.softmax(row.double(), -1)
+    order = torch.argsort(p, descending=True)
+    top = order[:30]
+    local = _shard(row[None].expand(n, vocab), rank, world, vocab, gen)
+
+    def counts(temperature: float) -> np.ndarray:
+        batch = SamplingBatch.from_params(
+            [SamplingParams(temperature=temperature, seed=i) for i in range(n)],
+            vocab_size=vocab)
+        tok = sd.sample(local, batch, positions=torch.full((n,), 7)).token_ids
+        hit = (tok[:, None] == top[None, :])
+        c = hit.sum(0).numpy()
+        return np.append(c, n - c.sum())
+
+    expected = np.append(p[top].numpy(), 1 - p[top].sum().item()) * n
+    for temperature, should_pass in ((1.0, True), (1.15, False)):
+        pv = stats.power_divergence(counts(temperature), expected,
+                                    lambda_="log-likelihood").pvalue
+        report.setdefault("pvalues", []).append(float(pv))
+        if should_pass != (pv > 1e-4):
+            report["failures"].append(f"T={temperature}: p = {pv}")
+    report["cases"] += 1
+
+
+def test_chi_square_against_softmax():
+    reports = _run_spawned(2, "_chi_square_cases")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, fails
+    assert reports[0]["pvalues"] == reports[1]["pvalues"]
+
+
+# ----------------------------------------------------------------------------- NCCL
+
+
+def _gpu_cases(rank: int, world: int, report: dict) -> None:
+    case = 500
+    for backend in ("torch", "triton"):
+        os.environ["SPECSAMPLE_BACKEND"] = backend
+        for vocab, dtype in ((151936, torch.bfloat16), (5003, torch.float32)):
+            for op, draft, method, kinds in (
+                    ("sample", "onehot", "token", None),
+                    ("verify", "onehot", "token", ["plain", "greedy"]),
+                    ("verify", "onehot", "token", ["top_k", "top_p", "min_p", "all_filters"]),
+                    ("verify", "logits", "token", ["plain", "top_p"]),
+                    ("verify", "probs", "block", ["plain", "greedy"]),
+                    ("verify", "onehot", "block", ["penalties", "bans", "bias"])):
+                case += 1
+                _case(rank, world, case, report, vocab=vocab, op=op, draft=draft,
+                      method=method, kinds=kinds, dtype=dtype, device=f"cuda:{rank}")
+
+
+@pytest.mark.gpu
+def test_equivalence_nccl_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    reports = _run_spawned(2, "_gpu_cases", backend="nccl")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    assert reports[0]["cases"] == 24

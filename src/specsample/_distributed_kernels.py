@@ -56,14 +56,14 @@ def tile_mass(src: torch.Tensor, m: torch.Tensor | None, t: torch.Tensor | None,
 
 
 @triton.jit
-def _uniform_kernel(lo_ptr, hi_ptr, pos_ptr, c_ptr, out_ptr, ncol, stream: tl.constexpr,
+def _uniform_kernel(lo_ptr, hi_ptr, pos_ptr, c_ptr, out_ptr, ncol, STREAM: tl.constexpr,
                     BLOCK: tl.constexpr):
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < ncol
     counter = tl.load(c_ptr + r * ncol + cols, mask=ok, other=0)
     u = _uniform(tl.load(lo_ptr + r), tl.load(hi_ptr + r), tl.load(pos_ptr + r), counter,
-                 stream)
+                 STREAM)
     tl.store(out_ptr + r * ncol + cols, u, mask=ok)
 
 
@@ -76,5 +76,5 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor,
     block = 128
     _uniform_kernel[(r, triton.cdiv(c, block))](
         seed_lo.contiguous(), seed_hi.contiguous(), pos.contiguous(), counter, out, c,
-        stream=stream, BLOCK=block)
+        STREAM=stream, BLOCK=block)
     return out

@@ -67,7 +67,7 @@ from .torch_backend import (
 F64 = torch.float64
 NONE_ID = float(2**52)  # "no candidate" id in gathered (key, id) pairs: larger than any id
 _MAGIC = 0x5350_4453  # first descriptor word: "SPDS"
-_DESCRIPTOR = ("magic", "status", "rows", "local columns", "vocab_size", "requests",
+_DESCRIPTOR = ("magic", "status", "vocab_size", "rows", "local columns", "requests",
                "sum(num_draft_tokens)", "num_draft_tokens", "method", "draft kind",
                "logits dtype", "draft dtype", "sampling params", "positions given", "strict",
                "device type", "draft columns")
@@ -187,6 +187,22 @@ def _crc(obj) -> int:
     return zlib.crc32(repr(obj).encode())
 
 
+_PARAMS_CRC: dict[int, tuple[SamplingBatch, int]] = {}
+
+
+def _batch_crc(batch: SamplingBatch) -> int:
+    """CRC of the parameters every rank's batch must agree on (cached per batch object: the
+    repr costs host time per call; the token state of a persistent batch is not covered)."""
+    hit = _PARAMS_CRC.get(id(batch))
+    if hit is not None and hit[0] is batch:
+        return hit[1]
+    crc = _crc((batch.params, batch.eos_token_ids, batch.vocab_size))
+    if len(_PARAMS_CRC) > 64:
+        _PARAMS_CRC.clear()
+    _PARAMS_CRC[id(batch)] = (batch, crc)
+    return crc
+
+
 def _handshake(comm: _Comm, desc: list[int] | None, error: str | None) -> torch.Tensor:
     """Exchange descriptors; raise the same ValueError on every rank if a rank failed or they
     disagree. Returns the [W, D] descriptors."""
@@ -197,9 +213,11 @@ def _handshake(comm: _Comm, desc: list[int] | None, error: str | None) -> torch.
     if failed:
         msgs = [None] * comm.world
         dist.all_gather_object(msgs, error, group=comm.group)
-        detail = "; ".join(f"rank {r}: {msgs[r]}" for r in failed)
         if not ok:
-            raise ValueError(error + (f" (also {detail})" if len(failed) > 1 else ""))
+            same = [r for r in failed if msgs[r] == error]
+            other = "; ".join(f"rank {r}: {msgs[r]}" for r in failed if msgs[r] != error)
+            raise ValueError(f"{error} (on rank(s) {same}" + (f"; {other})" if other else ")"))
+        detail = "; ".join(f"rank {r}: {msgs[r]}" for r in failed)
         raise ValueError(f"specsample.distributed: invalid arguments on another rank: {detail}")
     if int((got[:, 0] != _MAGIC).sum()):
         raise ValueError("specsample.distributed: ranks called different collectives")
@@ -955,12 +973,11 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
             positions=(torch.zeros(batch.num_requests, dtype=torch.int64)
                        if positions is None else positions),
             method=method, logits_name=name)
-        desc = [plan.num_rows, local_logits.shape[1], geo.vocab, plan.num_requests,
+        desc = [geo.vocab, plan.num_rows, local_logits.shape[1], plan.num_requests,
                 int(plan.draft_token_ids.numel()), _crc(plan.num_draft), METHODS.index(method),
                 0 if draft is None else 1 if local_draft_logits is not None else 2,
                 _DTYPES[local_logits.dtype], 0 if draft is None else _DTYPES[draft.dtype],
-                _crc((batch.params, batch.eos_token_ids, batch.output_ids.numel(),
-                      batch.prompt_ids.numel())),
+                _batch_crc(batch),
                 int(positions is None), int(strict), int(local_logits.is_cuda),
                 0 if draft is None else draft.shape[1]]
     except ValueError as e:
