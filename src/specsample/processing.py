@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from . import workspace
 from .params import SamplingBatch
 from .plan import Plan
 
@@ -154,7 +155,8 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
     * min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
       float32, so the test is exact for the float32 values;
     * top_k keeps the k largest values by rank alone (lower ids first on ties), with no
-      probability sum involved (a top-k, no sort of the row);
+      probability sum involved (one top-k of k + 1 values, no sort of the row; a tie pass only
+      when the (k+1)-th value equals the k-th);
     * top_p accumulates ``exp((y - m) / T)`` in float64 over the survivors in rank order; a
       token is kept iff the mass ranked before it is < top_p times the survivors' mass
       (float64, relative error about 1e-16 per token, so nothing saturates at 1);
@@ -170,7 +172,7 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
     on = sampled & (min_p > 0)
     if bool(on.any()):
         cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
-        drop = on[:, None] & (y < cut[:, None])
+        drop = y < torch.where(on, cut, -math.inf)[:, None]
     k = batch.top_k[req]
     k_on = sampled & (k > 0) & (k < v)
     top_p = batch.top_p[req]
@@ -178,58 +180,106 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
     rows = k_on | p_on
     if not bool(rows.any()):
         return drop
-    idx = rows.nonzero().squeeze(1)
-    sub = y[idx].float()
+    every = bool(rows.all())
+    idx = None if every else rows.nonzero().squeeze(1)
+    sub = y.float() if every else y[idx].float()
     if drop is not None:
-        sub = sub.masked_fill(drop[idx], -math.inf)
-    keep = sub > -math.inf
-    k_sub, p_sub = k_on[idx, None], p_on[idx, None]
-    if bool(k_on.any()):  # the k-th largest value, then its ties by id: no sort
-        kk = k[idx].clamp(1, v)[:, None]
-        top = torch.topk(sub, int(kk[k_sub].max()), dim=-1).values
-        v_k = top.gather(1, (kk - 1).clamp_max(top.shape[1] - 1))
-        tie = (sub == v_k) & keep
-        cut = (sub > v_k) | (tie & (tie.cumsum(-1) <= kk - (sub > v_k).sum(-1, keepdim=True)))
-        keep &= ~k_sub | cut
-    if bool(p_on.any()):
-        keep &= ~p_sub | _nucleus(sub, keep, m[idx], t64[idx], top_p[idx])
+        sub = sub.masked_fill(drop if every else drop[idx], -math.inf)
+    keep = None  # (None: every finite value of ``sub``)
+    k_sub, p_sub = (k_on, p_on) if every else (k_on[idx], p_on[idx])
+    if bool(k_sub.any()):
+        keep = _top_k_keep(sub, k if every else k[idx], k_sub)
+    if bool(p_sub.any()):
+        m_p, t_p, top_p = (m, t64, top_p) if every else (m[idx], t64[idx], top_p[idx])
+        nucleus = _nucleus(sub, keep, m_p, t_p, top_p)
+        if not bool(p_sub.all()):
+            nucleus |= ~p_sub[:, None]
+        keep = nucleus if keep is None else keep & nucleus
     sub_drop = ~keep
+    if every and drop is None:
+        return sub_drop
     if drop is None:
         drop = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
-    drop[idx] = sub_drop
+    if every:
+        return drop | sub_drop
+    drop[idx] = drop[idx] | sub_drop
     return drop
 
 
-def _nucleus(sub: torch.Tensor, keep: torch.Tensor, m: torch.Tensor, t64: torch.Tensor,
+def _top_k_keep(sub: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool: the top_k survivors of rows ``sub`` (-inf = dropped already) for the rows
+    ``k_on`` ([R] bool; other rows keep every finite value): the k largest values, lower ids
+    first on ties. One top-k of k + 1 values finds the k-th value v_k; when the next value is
+    smaller (no tie crosses the boundary) the kept set is ``sub >= v_k``, else a tie pass
+    keeps the lowest ids of the v_k group."""
+    r, v = sub.shape
+    kk = torch.where(k_on, k, 1).clamp(1, v - 1)[:, None]
+    width = min(int(kk.max()) + 1, v)
+    top = torch.topk(sub, width, dim=-1).values
+    v_k = torch.where(k_on[:, None], top.gather(1, kk - 1), -math.inf)
+    v_next = top.gather(1, kk.clamp_max(width - 1))
+    if bool(((v_next < v_k) | (v_k == -math.inf)).all()):
+        if bool((v_k > -math.inf).all()):
+            return sub >= v_k
+        return (sub >= v_k) & (sub > -math.inf)
+    above = sub > v_k
+    tie = (sub == v_k) & (sub > -math.inf)
+    cut = above | (tie & (tie.cumsum(-1) <= kk - above.sum(-1, keepdim=True)))
+    return cut | (~k_on[:, None] & (sub > -math.inf))
+
+
+#: Relative bound on the float32 estimate of a top_p total mass (see :func:`_nucleus`).
+NUCLEUS_TOTAL_TOL = 1e-5
+
+
+def _nucleus(sub: torch.Tensor, keep: torch.Tensor | None, m: torch.Tensor, t64: torch.Tensor,
              top_p: torch.Tensor) -> torch.Tensor:
-    """[R, V] bool: the top_p nucleus of the survivors ``keep`` of rows ``sub`` (float32).
+    """[R, V] bool: the top_p nucleus of the survivors ``keep`` (None: every finite value) of
+    rows ``sub`` (float32).
 
     A token is kept iff the float64 mass of the survivors ranked before it (value, then lower
     id) is < top_p times their total mass. Only the highest-ranked candidates are ranked, by a
     top-k that grows until the boundary token lies inside them (a full sort of the row is the
     last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
-    the top-k, so a boundary there counts as not found yet.
+    the top-k, so a boundary there counts as not found yet. The candidates' masses are float64;
+    the total is first estimated from float32 ``exp((y - m) / T)`` summed in float64, whose
+    relative error is below ``2 log(V) 2**-24`` plus exp's ulp (the mean |z| under softmax(z)
+    is at most log V), far inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at
+    both ends of that bound the decision is the exact one, else the total is recomputed in
+    float64 from every survivor.
     """
     r, v = sub.shape
-    e = torch.where(keep, torch.exp((sub.double() - m.double()[:, None]) / t64[:, None]), 0.0)
-    goal = top_p[:, None] * e.sum(-1, keepdim=True)
-    masked = sub.masked_fill(~keep, -math.inf)
-    c = min(v, 256)
+    masked = sub if keep is None else sub.masked_fill(~keep, -math.inf)
+    m64, t = m.double()[:, None], t64[:, None]
+    e32 = torch.sub(masked, m[:, None]).div_(t64.float()[:, None]).exp_()
+    total = e32.sum(-1, keepdim=True, dtype=torch.float64)
+    goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
+             top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
+    c = min(v, 64)
     while True:
         cand_v, cand_i = torch.topk(masked, c, dim=-1)
         order = torch.sort(cand_i, dim=-1).indices  # by id, then (stably) by value: rank order
         cand_v, cand_i = cand_v.gather(1, order), cand_i.gather(1, order)
         order = torch.sort(cand_v, dim=-1, descending=True, stable=True).indices
         cand_v, cand_i = cand_v.gather(1, order), cand_i.gather(1, order)
-        ce = e.gather(1, cand_i)
-        n_keep = ((torch.cumsum(ce, dim=-1) - ce < goal) & (cand_v > -math.inf)).sum(
-            -1, keepdim=True).clamp_min(1)
+        ce = torch.exp((cand_v.double() - m64) / t)
+        before = torch.cumsum(ce, dim=-1) - ce
+        live = cand_v > -math.inf
+        n_lo, n_hi = (((before < g) & live).sum(-1, keepdim=True).clamp_min(1) for g in goals)
+        if not bool((n_lo == n_hi).all()):  # within the bound: the exact float64 total
+            e = torch.exp((masked.double() - m64) / t)
+            goal = top_p[:, None] * e.sum(-1, keepdim=True)
+            n_lo = n_hi = ((before < goal) & live).sum(-1, keepdim=True).clamp_min(1)
+            goals = (goal, goal)
+        n_keep = n_lo
         last_v = cand_v.gather(1, n_keep - 1)
         found = (n_keep < c) & (last_v > cand_v[:, -1:])
         if c == v or bool(found.all()):
             break
-        c = min(v, 4 * c)
+        c = min(v, 8 * c)
     last_i = cand_i.gather(1, n_keep - 1)
+    if c > 1 and bool((cand_v.gather(1, n_keep.clamp_max(c - 1)) < last_v).all()):
+        return sub >= last_v  # no token of last_v's value ranks after the boundary
     ids = torch.arange(v, device=sub.device)[None, :]
     return (sub > last_v) | ((sub == last_v) & (ids <= last_i))
 
@@ -243,7 +293,8 @@ def process_rows(plan: Plan, *, filters: bool = True,
     token (:func:`filter_drop`). A row whose bans leave nothing is all -inf. Rows of invalid
     requests must have been sanitised by the caller. ``row_max``: [T] max of the raw rows if
     the caller has it; without bans, logit bias or penalties ``y`` is then the raw logits
-    themselves (no float32 copy before the subtraction).
+    themselves (no float32 copy before the subtraction). On CPU the result is the reusable
+    ``workspace`` buffer "z": valid until the thread's next call.
     """
     batch: SamplingBatch = plan.batch
     if row_max is not None and not (batch.needs_bias or batch.needs_penalties
@@ -259,7 +310,10 @@ def process_rows(plan: Plan, *, filters: bool = True,
     t = batch.temperature[plan.row_req]
     t = torch.where(t > 0, t, torch.ones_like(t))
     drop = filter_drop(y, m, plan) if filters and batch.needs_filter else None
-    z = torch.sub(y, m[:, None]).div_(t[:, None])
+    z = workspace.buffer("z", tuple(y.shape), torch.float32, y.device)
+    torch.sub(y, m[:, None], out=z)
+    if batch.any_sampled:  # (greedy rows divide by 1)
+        z.div_(t[:, None])
     if drop is not None:
         z.masked_fill_(drop, -math.inf)
     return z

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import rng
+from . import rng, workspace
 from .outputs import VerifyOutput
 from .plan import Plan
 from .processing import process_rows, rows_emptied_by_bans
@@ -106,10 +106,33 @@ def tile_logsumexp(z: torch.Tensor) -> torch.Tensor:
 def processed_tile_logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile log-sum-exp [R, NT], row log-sum-exp [R]) of processed logits ``z`` whose row
     max is 0, from one fused softmax pass: p = softmax(z) gives each tile's share of the row
-    mass, and the row's log-normaliser is -log(max p) (the max entry has z = 0)."""
-    p = torch.softmax(z, dim=-1)
+    mass, and the row's log-normaliser is -log(max p) (the max entry has z = 0). ``p`` lives in
+    a reusable buffer on CPU (``workspace``)."""
+    p = workspace.buffer("softmax", tuple(z.shape), torch.float32, z.device)
+    torch.ops.aten._softmax.out(z, -1, False, out=p)
     lse = -torch.log(p.amax(dim=-1))
     return torch.log(_tile_sums(p)) + lse[:, None], lse
+
+
+def first_argmax(z: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the lowest index of each row's maximum of ``z`` [R, V] float32 (argmax with
+    ties to the lowest id; a row holding NaN returns some index, never one outside [0, V)).
+
+    From the ``rng.TILE``-wide tiles' maxima (one fast reduction): the first tile whose
+    maximum is the row's, then the first maximum inside it (``torch.argmax`` over a whole row
+    is several times slower on CPU)."""
+    r, v = z.shape
+    if v <= rng.TILE:
+        return z.argmax(dim=-1)
+    full = v // rng.TILE
+    parts = [z[:, :full * rng.TILE].view(r, full, rng.TILE).amax(-1)]
+    if v % rng.TILE:
+        parts.append(z[:, full * rng.TILE:].amax(-1, keepdim=True))
+    tmax = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    best = tmax.argmax(dim=-1, keepdim=True)  # the first tile holding the row max
+    tok = best * rng.TILE + torch.arange(rng.TILE, device=z.device)[None, :]
+    vals = torch.where(tok < v, z.gather(1, tok.clamp_max(v - 1)), -math.inf)
+    return tok.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo: torch.Tensor,
@@ -153,12 +176,12 @@ def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
     """[R] int64: argmax for greedy rows, an exact draw (STREAM_SAMPLE*) for the others (no
     noise is drawn when every row is greedy)."""
     if bool(greedy.all()):
-        return z.argmax(dim=-1)
+        return first_argmax(z)
     y = tiled_gumbel_argmax(z, tile_lse, seed_lo, seed_hi, pos, rng.STREAM_SAMPLE,
                             rng.STREAM_SAMPLE_TILE)
     if bool(greedy.any()):
         idx = greedy.nonzero().squeeze(1)
-        y[idx] = z[idx].argmax(dim=-1)
+        y[idx] = first_argmax(z[idx])
     return y
 
 
