@@ -245,3 +245,40 @@ def test_append_is_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert (b.num_output - before).tolist() == [2, 2, 2]
+
+
+@pytest.mark.gpu
+def test_append_with_penalties_and_bad_words_is_captured():
+    # The general path (penalties, bans) cannot be captured, but append() alone can: its
+    # count, tail and min_tokens updates replay with new outputs copied in.
+    from specsample.bench import capture_graph
+
+    ps = [SamplingParams(seed=1, frequency_penalty=0.5, bad_words_token_ids=[[1, 2, 3]],
+                         min_tokens=5),
+          SamplingParams(seed=2, repetition_penalty=1.2)]
+
+    def make():
+        return SamplingBatch.from_params(ps, vocab_size=50, device="cuda",
+                                         prompt_token_ids=[[4, 5], [6]], eos_token_ids=[0])
+
+    graphed, eager = make(), make()
+    out = VerifyOutput(token_ids=torch.zeros(2, 3, dtype=torch.int64, device="cuda"),
+                       num_accepted=torch.zeros(2, dtype=torch.int64, device="cuda"),
+                       logprobs=None, logprob_token_ids=None,
+                       invalid=torch.zeros(2, dtype=torch.bool, device="cuda"))
+    graph, _ = capture_graph(lambda: graphed.append(out))
+    for name in ("output_counts", "num_output", "context_tail"):  # (the warm-up appended 0s)
+        getattr(graphed, name).copy_(getattr(eager, name))
+    steps = [([[7, 1, 2], [8, 9, -1]], [2, 1], [False, False]),
+             ([[3, -1, -1], [5, 5, 5]], [0, 2], [False, True])]
+    for tok, acc, inv in steps:
+        out.token_ids.copy_(torch.tensor(tok))
+        out.num_accepted.copy_(torch.tensor(acc))
+        out.invalid.copy_(torch.tensor(inv))
+        graph.replay()
+        eager.append(out)
+        torch.cuda.synchronize()
+        for name in ("output_counts", "num_output", "context_tail"):
+            assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+    assert eager.num_output.tolist() == [4, 2]
+    assert eager.context_tail[0].tolist() == [2, 3]
