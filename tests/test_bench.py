@@ -99,6 +99,10 @@ def test_specsample_bench_command_is_registered():
 
 
 def test_cpu_check_reports_the_ratio():
-    res = bench.cpu_check(1, batch=2, k=2, vocab=1024)
-    assert res["shape"] == [6, 1024]
-    assert res["verify_ms"] > 0 and res["softmax_ms"] > 0 and res["ratio"] > 0
+    cases = (("T0.8 top_p", 2, 1024, False, {"temperature": 0.8, "top_p": 0.9}, 5.0),
+             ("sample", 3, 1024, True, {"temperature": 0.8}, None))
+    res = bench.cpu_check(1, k=2, cases=cases)
+    assert [r["shape"] for r in res] == [[6, 1024], [3, 1024]]
+    for r in res:
+        assert r["ms"] > 0 and r["softmax_ms"] > 0 and r["ratio"] > 0
+    assert res[1]["limit_ms"] == bench.CPU_SAMPLE_LIMIT_MS

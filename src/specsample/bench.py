@@ -35,6 +35,7 @@ against one ``torch.softmax`` over the same [40, 151936] tensor (target: at most
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -596,21 +597,57 @@ def environment(device: torch.device, backend: str) -> dict:
 # --------------------------------------------------------------------------- CPU check
 
 
-def cpu_check(repeats: int, *, batch: int = 8, k: int = 4, vocab: int = 151936,
-              temperature: float = 0.7) -> dict:
-    """The CPU check: verify() (float32, one-hot drafts) against one torch.softmax over
-    the same [B (K+1), V] tensor; medians of ``repeats`` runs after one warm-up each."""
-    case = Case("verify", "onehot", str(temperature), batch, k, vocab, "float32")
-    inp = build_inputs(case, torch.device("cpu"))
-    kw = {"warmup_ms": 0, "rep_ms": 0, "cpu_repeats": repeats}
+#: The CPU check's cases: (label, B, V, sampled with sample() instead of verify(), the
+#: request's options, limit on the ratio to one softmax of the same rows). K = 4 for verify().
+CPU_CASES = (
+    ("greedy", 1, 49152, False, {"temperature": 0.0}, 3.0),
+    ("T0.8", 1, 49152, False, {"temperature": 0.8}, 3.0),
+    ("T0.8 top_p0.9", 1, 49152, False, {"temperature": 0.8, "top_p": 0.9}, 5.0),
+    ("T0.8 top_k50", 1, 49152, False, {"temperature": 0.8, "top_k": 50}, 5.0),
+    ("T0.8 min_p0.1", 1, 49152, False, {"temperature": 0.8, "min_p": 0.1}, 5.0),
+    ("T0.8 repetition1.1", 1, 49152, False,
+     {"temperature": 0.8, "repetition_penalty": 1.1}, 5.0),
+    ("sample() T0.8", 1, 49152, True, {"temperature": 0.8}, None),
+    ("T0.7", 8, 151936, False, {"temperature": 0.7}, CPU_CHECK_RATIO),
+)
+#: sample() at B = 1, V = 49,152 on one thread: at most this many milliseconds.
+CPU_SAMPLE_LIMIT_MS = 0.3
+
+
+def cpu_check(repeats: int, *, k: int = 4, cases=CPU_CASES) -> list[dict]:
+    """The CPU check: verify() (float32 logits, one-hot drafts, seeded) or sample() for each
+    case of ``cases`` against one ``torch.softmax`` over the same rows ([B (K + 1), V], or
+    [B, V] for sample()); medians of ``repeats`` runs after one warm-up each. Requests carry
+    one prompt and two output tokens (for the penalties)."""
     cpu = torch.device("cpu")
-    verify_us = time_us(make_call(case, inp, "fused"), cpu, **kw)
-    softmax_us = time_us(lambda: torch.softmax(inp.logits, dim=-1), cpu, **kw)
-    ratio = verify_us / softmax_us
-    return {"shape": list(inp.logits.shape), "repeats": repeats, "threads":
-            torch.get_num_threads(), "verify_ms": verify_us / 1e3,
-            "softmax_ms": softmax_us / 1e3, "ratio": ratio, "limit": CPU_CHECK_RATIO,
-            "met": ratio <= CPU_CHECK_RATIO}
+    kw = {"warmup_ms": 0, "rep_ms": 0, "cpu_repeats": repeats}
+    rows_out = []
+    for label, n, vocab, is_sample, options, limit in cases:
+        kk = 0 if is_sample else k
+        gen = torch.Generator().manual_seed(0)
+        logits = zipf_logits(n * (kk + 1), vocab, dtype=torch.float32, device=cpu,
+                             generator=gen)
+        params = [SamplingParams(seed=1000 + i, **options) for i in range(n)]
+        batch = SamplingBatch.from_params(params, vocab_size=vocab,
+                                          prompt_token_ids=[[1, 2, 3]] * n,
+                                          output_token_ids=[[4, 5]] * n)
+        positions = torch.arange(n)
+        if is_sample:
+            call = functools.partial(sample, logits, batch, positions=positions)
+        else:
+            drafts = logits.view(n, kk + 1, vocab)[:, :kk].argmax(-1).reshape(-1)
+            call = functools.partial(verify, logits, drafts, [kk] * n, batch,
+                                     positions=positions)
+        ms = time_us(call, cpu, **kw) / 1e3
+        softmax_ms = time_us(functools.partial(torch.softmax, logits, dim=-1), cpu, **kw) / 1e3
+        ratio = ms / softmax_ms
+        met = ratio <= limit if limit is not None else ms <= CPU_SAMPLE_LIMIT_MS
+        rows_out.append({"case": label, "op": "sample" if is_sample else "verify",
+                         "shape": list(logits.shape), "ms": ms, "softmax_ms": softmax_ms,
+                         "ratio": ratio, "limit": limit, "limit_ms": (
+                             None if limit is not None else CPU_SAMPLE_LIMIT_MS), "met": met,
+                         "threads": torch.get_num_threads(), "repeats": repeats})
+    return rows_out
 
 
 # --------------------------------------------------------------------------- command line
@@ -717,12 +754,19 @@ def report_from_json(path: Path, out: Path) -> int:
 
 
 def run_cpu_check(args: argparse.Namespace, out: Path) -> int:
-    """``--cpu-check``: print and save (cpu_check.json) the verify / softmax ratio."""
+    """``--cpu-check``: print and save (cpu_check.json) each case's time and its ratio to one
+    softmax of the same rows."""
     res = cpu_check(max(args.repeats, 5))
-    print(f"CPU check, shape {res['shape']}, {res['threads']} threads, median of "
-          f"{res['repeats']}: verify {res['verify_ms']:.2f} ms, softmax {res['softmax_ms']:.2f}"
-          f" ms, ratio {res['ratio']:.2f} (target <= {res['limit']}: "
-          f"{'met' if res['met'] else 'MISSED'})")
+    print(f"CPU check, {res[0]['threads']} thread(s), median of {res[0]['repeats']} runs")
+    print(f"{'case':22s} {'op':7s} {'rows x V':>14s} {'ms':>8s} {'softmax':>8s} "
+          f"{'ratio':>6s}  target")
+    for r in res:
+        target = (f"<= {r['limit']:g}x" if r["limit"] is not None
+                  else f"<= {r['limit_ms']:g} ms")
+        shape = f"{r['shape'][0]} x {r['shape'][1]}"
+        print(f"{r['case']:22s} {r['op']:7s} {shape:>14s} {r['ms']:8.3f} "
+              f"{r['softmax_ms']:8.3f} {r['ratio']:6.1f}  {target} "
+              f"{'met' if r['met'] else 'MISSED'}")
     (out / "cpu_check.json").write_text(json.dumps(res, indent=2))
     return 0
 

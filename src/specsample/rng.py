@@ -198,17 +198,23 @@ def philox(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tenso
 def _philox_numpy(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray,
                   k0: np.ndarray, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`philox` on broadcastable uint64 numpy arrays holding uint32 values: a product of
-    two uint32 values is exact in uint64, so each round is a handful of whole-array numpy
-    operations (the CPU path: a small array costs far less per operation than a tensor op)."""
-    a, b, mask = np.uint64(PHILOX_ROUND_A), np.uint64(PHILOX_ROUND_B), np.uint64(MASK32)
-    ka, kb, sh = np.uint64(PHILOX_KEY_A), np.uint64(PHILOX_KEY_B), np.uint64(32)
-    for _ in range(PHILOX_ROUNDS):
-        p0 = c2 * b
-        p1 = c0 * a
-        c0, c1, c2, c3 = (p0 >> sh) ^ c1 ^ k0, p0 & mask, (p1 >> sh) ^ c3 ^ k1, p1 & mask
-        k0 = (k0 + ka) & mask
-        k1 = (k1 + kb) & mask
-    return c0, c1
+    two uint32 values is exact in uint64. The CPU path: the two multiplications of a round
+    run as one operation on the stacked words (c0, c2), and the round keys are computed up
+    front, so a round is five whole-array numpy operations (on the small arrays a row's
+    sampling needs, the per-operation cost dominates)."""
+    even = np.stack(np.broadcast_arrays(c0, c2, c1, c3, k0, k1))  # one broadcast shape
+    even, odd, key = even[0:2], even[2:4], even[4:6]
+    trail = (1,) * (even.ndim - 1)
+    mul = np.array([PHILOX_ROUND_A, PHILOX_ROUND_B], dtype=np.uint64).reshape(2, *trail)
+    step = np.array([PHILOX_KEY_A, PHILOX_KEY_B], dtype=np.uint64).reshape(2, *trail)
+    rounds = np.arange(PHILOX_ROUNDS, dtype=np.uint64).reshape(-1, 1, *trail)
+    keys = (key[None] + rounds * step[None]) & np.uint64(MASK32)  # [rounds, 2, ...]
+    sh, mask = np.uint64(32), np.uint64(MASK32)
+    for r in range(PHILOX_ROUNDS):
+        p = even * mul  # (c0 A, c2 B)
+        # c0' = hi(c2 B) ^ c1 ^ k0, c2' = hi(c0 A) ^ c3 ^ k1; c1' = lo(c2 B), c3' = lo(c0 A)
+        even, odd = ((p >> sh)[::-1] ^ odd) ^ keys[r], (p & mask)[::-1]
+    return even[0], odd[0]
 
 
 def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
