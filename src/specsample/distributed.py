@@ -19,12 +19,13 @@ never the logits:
 4. per row the shard's mass ``sum exp(z')`` (float64, the global normaliser is their sum in
    rank order) and the partial masses of its first and last ``rng.TILE`` tile (tiles may
    straddle shards), with the values at the draft tokens for verification;
-5. the multi-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax`` with the noise keyed
-   by global tile / sub-tile / token ids: each rank keys the tiles that start in its shard
-   (straddling tiles get the other ranks' partial masses from step 4), the best (key, tile)
-   of every rank is gathered (with the sub-tile masses of that tile when the draw has a
-   sub-tile level), every rank then picks the same sub-tile, and the best (key, id) of each
-   rank inside it decides the token (largest key, lowest id).
+5. the three-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax`` (``rng.TILE`` tile,
+   ``rng.SUBTILE`` sub-tile, token) with the noise keyed by global tile / sub-tile / token
+   ids: each rank keys the tiles that start in its shard (straddling tiles get the other
+   ranks' partial masses from step 4), the best (key, tile) of every rank is gathered with
+   the sub-tile masses of that tile, every rank then picks the same tile and sub-tile (the
+   other ranks' parts of a straddling tile come from step 4), and the best (key, id) of each
+   rank inside the sub-tile decides the token (largest key, lowest id).
 
 Filters (min_p, top_k, top_p) are decided on the shard's own values with cuts found from
 gathered per-shard candidate lists (``_filter_drop``), logprobs' top-n by merging per-shard
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 import zlib
 from collections.abc import Sequence
 
@@ -102,13 +104,6 @@ class _Geometry:
         if w == 0:
             return 0, 0
         return o // size, (o + w - 1) // size - o // size + 1
-
-
-def _levels() -> tuple[int, ...]:
-    """Block sizes of the draw's levels above the token, as torch_backend draws: the tile,
-    and the sub-tile where ``rng`` defines one."""
-    sub = getattr(rng, "SUBTILE", None)
-    return (rng.TILE,) if sub is None else (rng.TILE, sub)
 
 
 # ------------------------------------------------------------------------ communication
@@ -187,19 +182,19 @@ def _crc(obj) -> int:
     return zlib.crc32(repr(obj).encode())
 
 
-_PARAMS_CRC: dict[int, tuple[SamplingBatch, int]] = {}
+_PARAMS_CRC: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _batch_crc(batch: SamplingBatch) -> int:
     """CRC of the parameters every rank's batch must agree on (cached per batch object: the
     repr costs host time per call; the token state of a persistent batch is not covered)."""
     hit = _PARAMS_CRC.get(id(batch))
-    if hit is not None and hit[0] is batch:
+    if hit is not None and hit[0]() is batch:
         return hit[1]
     crc = _crc((batch.params, batch.eos_token_ids, batch.vocab_size))
     if len(_PARAMS_CRC) > 64:
         _PARAMS_CRC.clear()
-    _PARAMS_CRC[id(batch)] = (batch, crc)
+    _PARAMS_CRC[id(batch)] = (weakref.ref(batch), crc)
     return crc
 
 
@@ -337,21 +332,18 @@ class _Part:
 
     def sub_masses(self, geo: _Geometry, tile: torch.Tensor) -> torch.Tensor:
         """[R, TILE / SUBTILE] float64 local partial masses of the sub-tiles of ``tile``."""
-        sub = _levels()[1]
         vals, _ = self.source.block_values(geo, tile, rng.TILE)
-        return torch.exp(vals).view(vals.shape[0], -1, sub).sum(-1, dtype=F64)
+        return torch.exp(vals).view(vals.shape[0], -1, rng.SUBTILE).sum(-1, dtype=F64)
 
     def boundary_payload(self, geo: _Geometry) -> torch.Tensor:
-        """[R, P]: partial masses of this shard's first and last tile (and, with a sub-tile
-        level, of their sub-tiles), for the ranks that key a straddling tile."""
+        """[R, 2 + 2 TILE / SUBTILE]: partial masses of this shard's first and last tile,
+        then of their sub-tiles, for the ranks that key or split a straddling tile."""
         r = self.mass.shape[0]
         first, count = geo.tiles()
         if count == 0:
             edge = self.mass.new_zeros((r, 2))
         else:
             edge = torch.stack([self.mass[:, 0], self.mass[:, -1]], dim=1)
-        if len(_levels()) == 1:
-            return edge
         dev = self.mass.device
         ends = [torch.full((r,), first + j, dtype=torch.int64, device=dev)
                 for j in (0, max(count - 1, 0))]
@@ -374,8 +366,7 @@ def _draw(comm: _Comm, geo: _Geometry, parts: list[_Part]) -> list[torch.Tensor]
     """The exact multi-level Gumbel-max draw of ``torch_backend.tiled_gumbel_argmax`` for
     every part's rows (their boundary payloads already gathered): two all_gathers.
     Returns [R] int64 global token ids per part."""
-    levels = _levels()
-    dev = comm.device
+    dev = comm.home
     first, count = geo.tiles()
     own0 = 0 if geo.offset() % rng.TILE == 0 else 1  # the first tile starts on another rank
     # Level 1: every rank keys the tiles that start in its shard.
@@ -398,23 +389,16 @@ def _draw(comm: _Comm, geo: _Geometry, parts: list[_Part]) -> list[torch.Tensor]
             k = torch.full((r,), -math.inf, dtype=F64, device=dev)
             best = torch.full((r,), first, dtype=torch.int64, device=dev)
         tid = best.to(F64) if mass.shape[1] else torch.full_like(k, NONE_ID)
-        payload = [k, tid]
-        if len(levels) > 1:
-            payload.append(part.sub_masses(geo, best).T)
-        pieces += [torch.stack(payload[:2], 0)] + payload[2:]
+        pieces += [torch.stack([k, tid], 0), part.sub_masses(geo, best).T]
     got = comm.gather(pieces)
     # Level 2 (sub-tiles of the chosen tile, where the draw has them), then tokens.
-    chosen_block, step = [], 2 if len(levels) > 1 else 1
+    chosen_block = []
+    nsub = rng.TILE // rng.SUBTILE
     for p, part in enumerate(parts):
-        kt = got[step * p]
+        kt = got[2 * p]
         _, tile = _pick_max(kt[:, 0], kt[:, 1])
         tile = tile.clamp(0, max(-(-geo.vocab // rng.TILE) - 1, 0))
-        if len(levels) == 1:
-            chosen_block.append(tile)
-            continue
-        sub = levels[1]
-        nsub = rng.TILE // sub
-        subs = got[step * p + 1].permute(0, 2, 1)  # [W, R, nsub]
+        subs = got[2 * p + 1].permute(0, 2, 1)  # [W, R, nsub]
         owner = (kt[:, 1] == tile.to(F64)[None, :]) & (kt[:, 0] == kt[:, 0].amax(0))
         owner_rank = torch.where(owner, torch.arange(geo.world, device=dev)[:, None],
                                  geo.world).amin(0)
@@ -430,7 +414,7 @@ def _draw(comm: _Comm, geo: _Geometry, parts: list[_Part]) -> list[torch.Tensor]
             part.seed_lo, part.seed_hi, part.pos, ids, rng.sub_stream(part.tile_stream))
         keys = torch.where(torch.isnan(keys), -math.inf, keys)
         chosen_block.append(ids.gather(1, keys.argmax(dim=-1, keepdim=True))[:, 0])
-    size = levels[-1]
+    size = rng.SUBTILE
     pieces = []
     for part, block in zip(parts, chosen_block):
         vals, ids = part.source.block_values(geo, block, size)
@@ -490,8 +474,8 @@ def _filter_drop(comm: _Comm, geo: _Geometry, y: torch.Tensor, m: torch.Tensor,
     global top-k entry is in its shard's top-k). top_p: the survivors' mass is the sum of the
     shards' float64 masses; the merged candidates are in exact global rank order down to F,
     the best-ranked c-th candidate of any shard holding more survivors than it sent; the
-    nucleus boundary counts only when the first token it excludes ranks at or before F,
-    else every rank doubles ... quadruples c (all decide alike from the gathered lists).
+    nucleus boundary counts only when the first token it excludes ranks at or before F, else
+    c grows fourfold for the rows not found (every rank decides alike from the gathered lists).
     """
     batch, req = plan.batch, plan.row_req
     v, off, w = geo.vocab, geo.offset(), y.shape[1]
