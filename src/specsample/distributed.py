@@ -198,9 +198,12 @@ def _batch_crc(batch: SamplingBatch) -> int:
     return crc
 
 
-def _handshake(comm: _Comm, desc: list[int] | None, error: str | None) -> torch.Tensor:
+def _handshake(comm: _Comm, desc: list[int] | None, error: str | None,
+               exc: Exception | None = None) -> torch.Tensor:
     """Exchange descriptors; raise the same ValueError on every rank if a rank failed or they
-    disagree. Returns the [W, D] descriptors."""
+    disagree (a rank whose validation raised something other than ValueError, ``exc``,
+    re-raises that after the exchange, so the others are not left waiting). Returns the [W, D]
+    descriptors."""
     ok = error is None
     row = [_MAGIC, 0 if ok else 1] + (desc if ok else [0] * (len(_DESCRIPTOR) - 2))
     got = comm.gather_ints(torch.tensor(row, dtype=torch.int64)).cpu()
@@ -208,6 +211,8 @@ def _handshake(comm: _Comm, desc: list[int] | None, error: str | None) -> torch.
     if failed:
         msgs = [None] * comm.world
         dist.all_gather_object(msgs, error, group=comm.group)
+        if exc is not None and not isinstance(exc, ValueError):
+            raise exc
         if not ok:
             same = [r for r in failed if msgs[r] == error]
             other = "; ".join(f"rank {r}: {msgs[r]}" for r in failed if msgs[r] != error)
@@ -919,7 +924,7 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
                          "(call torch.distributed.init_process_group first)")
     home = local_logits.device if isinstance(local_logits, torch.Tensor) else torch.device("cpu")
     comm = _Comm(group, home)
-    error = desc = None
+    error = desc = exc = None
     try:
         from .api import _check_not_capturing
 
@@ -964,9 +969,9 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
                 _batch_crc(batch),
                 int(positions is None), int(strict), int(local_logits.is_cuda),
                 0 if draft is None else draft.shape[1]]
-    except ValueError as e:
-        error = f"specsample.distributed.{op}(): {e}"
-    got = _handshake(comm, desc, error)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the handshake
+        exc, error = e, f"specsample.distributed.{op}(): {e}"
+    got = _handshake(comm, desc, error, exc)
     vd = geo.vocab
     xd = None
     if draft is not None:
