@@ -555,8 +555,9 @@ class SamplingBatch:
             # The last W of (tail, emitted tokens): columns count .. count + W - 1.
             seq = torch.cat([self.context_tail, tok], dim=1)
             rolled = seq.gather(1, count[:, None] + torch.arange(width, device=tok.device))
-            words = torch.zeros(n, dtype=torch.bool, device=tok.device)
-            words[self.bad_req] = True
+            # (index_fill_ takes the value as a scalar: no host tensor to copy under capture)
+            words = torch.zeros(n, dtype=torch.bool, device=tok.device).index_fill_(
+                0, self.bad_req, True)
             self.context_tail.copy_(torch.where(words[:, None], rolled, self.context_tail))
         self.num_output.add_(count)
 
