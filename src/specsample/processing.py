@@ -127,13 +127,20 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
         bias.index_put_((batch.bias_req, batch.bias_ids), batch.bias_val, accumulate=True)
         z += bias[plan.row_req]
     if batch.needs_penalties:
+        # Only the penalties some request sets, and repetition only at the tokens it touches
+        # (the same float32 operations on those entries; the others are unchanged).
         counts = _output_counts(plan)
         seen = counts > 0
-        rep = batch.repetition_penalty[plan.row_req, None]
-        mask = seen | batch.prompt_mask[plan.row_req]
-        z.copy_(torch.where(mask, torch.where(z > 0, z / rep, z * rep), z))
-        z -= batch.frequency_penalty[plan.row_req, None] * counts
-        z -= batch.presence_penalty[plan.row_req, None] * seen
+        req = plan.row_req
+        if any(p.repetition_penalty != 1 for p in batch.params):
+            rows, cols = (seen | batch.prompt_mask[req]).nonzero(as_tuple=True)
+            rep = batch.repetition_penalty[req][rows]
+            vals = z[rows, cols]
+            z[rows, cols] = torch.where(vals > 0, vals / rep, vals * rep)
+        if any(p.frequency_penalty != 0 for p in batch.params):
+            z -= batch.frequency_penalty[req, None] * counts
+        if any(p.presence_penalty != 0 for p in batch.params):
+            z -= batch.presence_penalty[req, None] * seen
     return z
 
 
