@@ -395,7 +395,8 @@ def _print_report(report: dict, *, streamed: bool) -> None:
                       f"{r['mean_accepted_length']:.2f}", f"{r['tokens_per_s']:.1f}")
     console.print(table)
     console.print(f"engine steps {s['steps']}, prefill {s['prefill_s']:.2f} s, decode "
-                  f"{s['decode_s']:.2f} s", highlight=False)
+                  f"{s['decode_s']:.2f} s (sampler {s['sampler_s']:.3f} s, "
+                  f"{100 * s['sampler_share']:.1f}%)", highlight=False)
     paths = Table(title="code paths", box=box.SIMPLE_HEAD, title_justify="left")
     paths.add_column("path", no_wrap=True)
     paths.add_column("calls", justify="right", no_wrap=True)

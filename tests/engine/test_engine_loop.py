@@ -255,4 +255,6 @@ def test_ctrl_c_keeps_what_was_generated(target_model):
                                     max_new_tokens=len(seen)))[0]
     stats = e.value.result.stats
     assert stats.steps >= 1 and stats.decode_s > 0
+    assert 0 < stats.sampler_s <= stats.decode_s
+    assert stats.to_dict()["sampler_share"] == stats.sampler_s / stats.decode_s
     assert out.stats.emitted == len(seen)

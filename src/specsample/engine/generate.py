@@ -236,6 +236,7 @@ class SpeculativeEngine:
         paths_before = core.paths.counts()
         self.drafter.start(len(requests))
 
+        self._sampler_s = 0.0
         t0 = t1 = time.perf_counter()
         interrupted = False
         try:
@@ -259,6 +260,7 @@ class SpeculativeEngine:
 
         stats.prefill_s = t1 - t0
         stats.decode_s = t2 - t1
+        stats.sampler_s = self._sampler_s
         stats.paths = paths_delta(paths_before, core.paths.counts())
         stats.requests = [r.stats for r in requests]
         unfinished = "interrupted" if interrupted else "length"
@@ -316,6 +318,9 @@ class SpeculativeEngine:
         if batch is None:
             batch = self._batch(core, active, target_logits.device)
 
+        if target_logits.device.type == "cuda":  # (the sampler's time, not the forward's)
+            torch.cuda.synchronize(target_logits.device)
+        started = time.perf_counter()
         if not self.drafter.speculative:
             out = core.sample(target_logits, batch, positions=positions)
             emitted = [[t] for t in out.token_ids.tolist()]
@@ -344,6 +349,7 @@ class SpeculativeEngine:
             emitted = [ids[j][: accepted[j] + 1] for j in range(len(active))]
         # All emitted tokens: a request whose commit stops early (EOS, length) leaves below.
         batch.append(out)
+        self._sampler_s += time.perf_counter() - started
 
         for req, draft, acc, new in zip(active, drafts, accepted, emitted, strict=True):
             k = len(draft.token_ids)

@@ -55,6 +55,9 @@ class GenerationStats:
             ``verify()`` / ``sample()`` call for all of them).
         prefill_s: seconds spent on prompt prefill.
         decode_s: seconds spent in the step loop.
+        sampler_s: seconds of ``decode_s`` spent in ``sample()`` / ``verify()`` (reading
+            their outputs and ``batch.append`` included; on CUDA the device is synchronised
+            first, so the forward's kernels are not counted).
         paths: ``specsample.paths.counts()`` delta over the call.
     """
 
@@ -62,6 +65,7 @@ class GenerationStats:
     steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    sampler_s: float = 0.0
     paths: dict = field(default_factory=dict)
     drafter: str = ""
     method: str = ""
@@ -102,6 +106,8 @@ class GenerationStats:
             "tokens_per_s": self.tokens_per_s,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
+            "sampler_s": self.sampler_s,
+            "sampler_share": self.sampler_s / self.decode_s if self.decode_s > 0 else 0.0,
             "paths": self.paths,
             "per_request": [r.to_dict(self.decode_s) for r in self.requests],
         }
