@@ -317,8 +317,11 @@ def process_rows(plan: Plan, *, filters: bool = True,
     t = batch.temperature[plan.row_req]
     t = torch.where(t > 0, t, torch.ones_like(t))
     drop = filter_drop(y, m, plan) if filters and batch.needs_filter else None
-    z = workspace.buffer("z", tuple(y.shape), torch.float32, y.device)
-    torch.sub(y, m[:, None], out=z)
+    if y.requires_grad and torch.is_grad_enabled():  # (out= takes no autograd inputs)
+        z = torch.sub(y, m[:, None])
+    else:
+        z = workspace.buffer("z", tuple(y.shape), torch.float32, y.device)
+        torch.sub(y, m[:, None], out=z)
     if batch.any_sampled:  # (greedy rows divide by 1)
         z.div_(t[:, None])
     if drop is not None:

@@ -108,8 +108,11 @@ def processed_tile_logsumexp(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     max is 0, from one fused softmax pass: p = softmax(z) gives each tile's share of the row
     mass, and the row's log-normaliser is -log(max p) (the max entry has z = 0). ``p`` lives in
     a reusable buffer on CPU (``workspace``)."""
-    p = workspace.buffer("softmax", tuple(z.shape), torch.float32, z.device)
-    torch.ops.aten._softmax.out(z, -1, False, out=p)
+    if z.requires_grad and torch.is_grad_enabled():  # (out= takes no autograd inputs)
+        p = torch.softmax(z, dim=-1)
+    else:
+        p = workspace.buffer("softmax", tuple(z.shape), torch.float32, z.device)
+        torch.ops.aten._softmax.out(z, -1, False, out=p)
     lse = -torch.log(p.amax(dim=-1))
     return torch.log(_tile_sums(p)) + lse[:, None], lse
 

@@ -24,7 +24,8 @@ def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
     On CPU it is a view of this thread's buffer ``name`` (so two live tensors must use two
     names, and a result handed to the caller must never be one of these views); the buffer
-    keeps the largest size asked for. Elsewhere a new tensor.
+    keeps the largest size asked for. Elsewhere a new tensor. Callers write it with ``out=``,
+    so their inputs must not require grad (detach them).
     """
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
@@ -32,7 +33,10 @@ def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     n = math.prod(shape)
     buf = bufs.get((name, dtype))
     if buf is None or buf.numel() < n:
-        buf = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
+        # A normal tensor even when the first call runs under torch.inference_mode(): an
+        # inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            buf = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
     return buf[:n].view(shape)
 
 
