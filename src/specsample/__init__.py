@@ -11,12 +11,14 @@ from .api import probs, sample, select_backend, verify, warmup
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch, SamplingParams
+from .tree import TreeVerifyOutput, verify_tree
 
 __all__ = [
     "SampleOutput",
     "SamplingBatch",
     "SamplingError",
     "SamplingParams",
+    "TreeVerifyOutput",
     "VerifyOutput",
     "paths",
     "probs",
@@ -24,6 +26,7 @@ __all__ = [
     "sample",
     "select_backend",
     "verify",
+    "verify_tree",
     "warmup",
 ]
 __version__ = "0.1.0"

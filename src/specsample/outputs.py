@@ -1,4 +1,4 @@
-"""Result types of sample() and verify()."""
+"""Result types of sample(), verify() and verify_tree()."""
 
 from __future__ import annotations
 
@@ -38,6 +38,30 @@ class VerifyOutput:
 
     token_ids: torch.Tensor
     num_accepted: torch.Tensor
+    logprobs: torch.Tensor | None
+    logprob_token_ids: torch.Tensor | None
+    invalid: torch.Tensor
+
+
+@dataclass
+class TreeVerifyOutput:
+    """Result of :func:`specsample.verify_tree`.
+
+    token_ids: [N, D + 1] int64 (D: the deepest node's depth in the batch); row i holds the
+        tokens of its accepted path (root excluded), then one correction or bonus token, then
+        -1 padding (all -1 for an invalid request).
+    num_accepted: [N] int64, the accepted path's length (0..depth of the tree); emitted tokens
+        = num_accepted + 1.
+    accepted_node_ids: [N, D] int64, the node numbers (1..m_i) of the accepted path in depth
+        order, -1 padded: the KV-cache entries to keep.
+    logprobs / logprob_token_ids: [N, D + 1, 1 + n] float32 / int64 or None, per emitted
+        position (as :class:`VerifyOutput`); positions not emitted hold ids -1, logprobs -inf.
+    invalid: [N] bool, requests whose input data was invalid.
+    """
+
+    token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_node_ids: torch.Tensor
     logprobs: torch.Tensor | None
     logprob_token_ids: torch.Tensor | None
     invalid: torch.Tensor

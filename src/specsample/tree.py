@@ -1,0 +1,559 @@
+"""Exact token-tree verification (``specsample.verify_tree``) on the PyTorch backend.
+
+Request i drafted a tree of m_i nodes numbered 1..m_i in topological order (a node's parent
+has a smaller number); node 0 is the root, the request's last committed token. The target
+scored every node: row ``row_start[i] + n`` of ``target_logits`` is the target's distribution
+of the token after node n (the root's row first), so a node at depth d decides the token at
+absolute position ``positions[i] + d``.
+
+Two verification rules (docs/semantics.md, "Tree verification"):
+
+* Deterministic trees (``draft_probs=None``; a tree chosen without looking at the target's
+  randomness: n-gram / prompt-lookup trees, Medusa / EAGLE top-k trees): at each node the
+  target token is drawn from the node's processed row with exactly the noise ``sample()`` uses
+  at that position (STREAM_SAMPLE*); if it equals a child's token the walk descends to that
+  child, else the token is emitted as the correction and the walk stops; at a leaf the draw is
+  the bonus token. Every row is sampled in one pass (a node's draw depends on its position,
+  not on its siblings), then each request walks its tree. This is ``sample()`` position by
+  position along the accepted path (the one-hot rule of ``verify()``, SpecInfer's
+  multi-draft sample-and-match; Miao et al. 2024, arXiv 2305.09781).
+* ``draft_probs`` trees: recursive rejection sampling (Jeon et al. 2024, arXiv 2402.14160,
+  Alg. 1 / Thm. 3.1; also Yang et al. 2024, arXiv 2402.16014): the children c_1..c_m of a node
+  were drawn from the drafter's q at that node without replacement, in node-number order. With
+  ``p^1`` the processed target row and ``q^1 = q``, child k is accepted iff
+  ``u_k q^k(c_k) < p^k(c_k)``, ``u_k = U(seed, pos + d, k - 1, STREAM_ACCEPT)``; on rejection
+  ``p^{k+1} = norm(max(p^k - q^k, 0))`` and ``q^{k+1}`` is ``q^k`` without ``c_k``,
+  renormalised. If every child is rejected the correction is drawn from
+  ``max(p^m - q^m, 0)`` by three-level Gumbel-max on STREAM_RESIDUAL* at ``pos + d``; at a leaf
+  the bonus is the row's ``sample()`` draw. One child per node is token-level verification
+  (Leviathan et al. 2023, Alg. 1) with the same random keys as ``verify()``.
+
+Greedy requests (temperature 0) walk the argmax whatever the draft kind. Processing (bans,
+logit_bias, penalties, temperature, min_p, top_k, top_p) is ``verify()``'s, per node row, with
+the tokens of the nodes on the path from the root to the node (the node included) counted as
+outputs for its row. The tree layout is read and checked on the host (one synchronisation for
+device tensors): this path is not capturable in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import api, paths, rng, torch_backend
+from .errors import SamplingError
+from .outputs import TreeVerifyOutput
+from .params import SamplingBatch
+from .plan import Plan, _check_float_matrix, _num_draft_tuple, _positions
+from .processing import _allowed_rows, outputs_before_row, process_rows
+from .torch_backend import _or_per_request
+
+__all__ = ["TreeLayout", "TreePlan", "build_tree_layout", "verify_tree"]
+
+
+@dataclasses.dataclass
+class TreeLayout:
+    """The trees of one call, laid out by target row (R = N + M rows, M = sum m_i nodes).
+
+    Row ``row_start[i] + n`` is node n of request i (n = 0: the root). Every tensor is int64
+    on the logits' device; ``-1`` pads.
+
+    row_req [R]: the request of each row; row_node [R]: its node number n (0..m_i);
+    row_depth [R]: its depth (root 0); row_token [R]: the node's draft token (-1 for roots);
+    row_parent [R]: the parent's row (-1 for roots); row_start [N]; children [R, B]: the rows
+    of each node's children in node-number order (B = the largest number of children);
+    path_rows [R, D + 1]: the rows of the nodes at depth 0..depth(r) on the root-to-node path
+    of row r; path_tokens [R, D]: their tokens at depth 1..depth(r) (the node's own included),
+    the outputs its row counts. ``depth``: D, the deepest node's depth in the batch.
+    """
+
+    row_req: torch.Tensor
+    row_node: torch.Tensor
+    row_depth: torch.Tensor
+    row_token: torch.Tensor
+    row_parent: torch.Tensor
+    row_start: torch.Tensor
+    children: torch.Tensor
+    path_rows: torch.Tensor
+    path_tokens: torch.Tensor
+    depth: int
+
+
+def _num_nodes_tuple(num_nodes, n: int) -> tuple[int, ...]:
+    """``num_nodes`` ([N] ints >= 0, a list or an integer tensor) as a host tuple (the checks
+    of ``verify()``'s num_draft_tokens, with this argument's name in the messages)."""
+    try:
+        return _num_draft_tuple(num_nodes, n)
+    except ValueError as e:
+        raise ValueError(str(e).replace("num_draft_tokens", "num_nodes")) from None
+
+
+def _int_vector(name: str, t, m: int) -> torch.Tensor:
+    """A [m] int64 CPU tensor from an integer tensor or a list (ValueError otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(list(t))
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{name} must be a 1-D int64 tensor or a list of ints") from None
+        if t.numel() == 0:
+            t = t.to(torch.int64)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape "
+                         f"{tuple(t.shape)}")
+    if t.shape[0] != m:
+        raise ValueError(f"{name} has {t.shape[0]} entries; sum(num_nodes) = {m}")
+    return t.to("cpu", torch.int64)
+
+
+def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
+                      device: torch.device) -> TreeLayout:
+    """Check the trees and lay them out (:class:`TreeLayout`), on the host with numpy.
+
+    ``num_nodes``: host tuple of m_i; ``parents`` / ``draft_token_ids``: [M] int64 CPU tensors
+    (node n of request i at index ``sum_{i' < i} m_i' + n - 1``).
+
+    Raises:
+        ValueError: a parent outside [0, own number - 1] (nodes must be numbered in
+            topological order), or two children of one node with the same token (siblings
+            must differ: the walk descends to *the* child holding the sampled token).
+    """
+    m = np.asarray(num_nodes, dtype=np.int64)
+    n = m.shape[0]
+    total = int(m.sum())
+    par = parents.numpy()
+    tok = draft_token_ids.numpy()
+    node_start = np.concatenate([[0], np.cumsum(m)[:-1]]).astype(np.int64)
+    row_start = node_start + np.arange(n, dtype=np.int64)
+    node_req = np.repeat(np.arange(n, dtype=np.int64), m)
+    node_num = np.arange(total, dtype=np.int64) - node_start[node_req] + 1  # 1..m_i
+    bad = (par < 0) | (par >= node_num)
+    if bad.any():
+        g = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"parents[{g}] = {int(par[g])}: node {int(node_num[g])} of request "
+                         f"{int(node_req[g])} must have a parent in [0, {int(node_num[g]) - 1}]"
+                         " (nodes are numbered 1..m_i in topological order, 0 is the root)")
+    rows = n + total
+    row_req = np.repeat(np.arange(n, dtype=np.int64), m + 1)
+    row_node = np.arange(rows, dtype=np.int64) - row_start[row_req]
+    node_row = row_start[node_req] + node_num
+    row_token = np.full(rows, -1, dtype=np.int64)
+    row_token[node_row] = tok
+    row_parent = np.full(rows, -1, dtype=np.int64)
+    row_parent[node_row] = row_start[node_req] + par
+    # Siblings: nodes sorted by (parent row, token) must not repeat a pair.
+    order = np.lexsort((tok, row_parent[node_row]))
+    key_p, key_t = row_parent[node_row][order], tok[order]
+    dup = (key_p[1:] == key_p[:-1]) & (key_t[1:] == key_t[:-1])
+    if dup.any():
+        g = int(order[np.flatnonzero(dup)[0] + 1])
+        raise ValueError(f"request {int(node_req[g])}: two children of node {int(par[g])} hold "
+                         f"the token {int(tok[g])} (siblings must have distinct tokens)")
+    # Depth: parents come first, so one pass in node order (vectorised per relaxation round).
+    depth = np.zeros(rows, dtype=np.int64)
+    for _ in range(total):
+        new = np.where(row_parent >= 0, depth[np.maximum(row_parent, 0)] + 1, 0)
+        if np.array_equal(new, depth):
+            break
+        depth = new
+    d_max = int(depth.max()) if rows else 0
+    # Children in node-number order: nodes sorted by (parent row, row).
+    order = np.lexsort((node_row, row_parent[node_row]))
+    par_sorted = row_parent[node_row][order]
+    first = np.searchsorted(par_sorted, par_sorted, side="left")
+    rank = np.arange(total) - first
+    width = int(rank.max()) + 1 if total else 0
+    children = np.full((rows, width), -1, dtype=np.int64)
+    children[par_sorted, rank] = node_row[order]
+    # Root-to-node paths.
+    path_rows = np.full((rows, d_max + 1), -1, dtype=np.int64)
+    cur = np.arange(rows, dtype=np.int64)
+    live = np.ones(rows, dtype=bool)
+    for _ in range(d_max + 1):
+        r = np.flatnonzero(live)
+        path_rows[r, depth[cur[r]]] = cur[r]
+        cur = np.where(live, row_parent[cur], -1)
+        live = cur >= 0
+    path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)], -1)
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return TreeLayout(row_req=dev(row_req), row_node=dev(row_node), row_depth=dev(depth),
+                      row_token=dev(row_token), row_parent=dev(row_parent),
+                      row_start=dev(row_start), children=dev(children),
+                      path_rows=dev(path_rows), path_tokens=dev(path_tokens), depth=d_max)
+
+
+@dataclasses.dataclass
+class TreePlan(Plan):
+    """A :class:`specsample.plan.Plan` whose rows are tree nodes, for the row processors of
+    ``specsample.processing`` (which read ``row_req``, ``batch``, ``logits`` and
+    :meth:`prior_draft_pairs`): ``row_j`` is the node's depth and the drafts a row counts are
+    the tokens on its root-to-node path. Every row is live. Bad words and min_tokens are not
+    read from here (their chain layout does not fit a tree): :func:`_apply_tree_bans` applies
+    them."""
+
+    tree: TreeLayout | None = None
+
+    @property
+    def row_live(self) -> torch.Tensor:
+        return torch.ones(self.num_rows, dtype=torch.bool, device=self.logits.device)
+
+    def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) pairs: every node on a row's path (the node included, the root not)."""
+        toks = self.tree.path_tokens
+        ok = toks >= 0
+        rows = torch.arange(toks.shape[0], device=toks.device)[:, None].expand_as(toks)
+        return rows[ok], toks[ok]
+
+
+def _tree_plan(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
+               tree: TreeLayout) -> TreePlan:
+    empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+    return TreePlan(
+        logits=logits, batch=batch, num_draft=None, max_k=tree.depth, method="token",
+        positions=positions, draft_token_ids=empty, draft_logits=None, draft_probs=None,
+        row_start=tree.row_start, draft_start=torch.zeros_like(tree.row_start),
+        row_req=tree.row_req, row_j=tree.row_depth, draft_req=empty, draft_j=empty,
+        k_given=torch.full_like(tree.row_start, tree.depth), tree=tree)
+
+
+def _tree_ban_pairs(plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs that bad words and min_tokens ban at the tree's rows.
+
+    As ``processing.ban_pairs`` (docs/semantics.md, "Bans") with the context of a row being
+    ``context_tail`` of its request followed by the tokens on its root-to-node path, and the
+    output count ``num_output + depth``."""
+    batch, tree = plan.batch, plan.tree
+    dev = plan.logits.device
+    rows_all = torch.arange(plan.num_rows, device=dev)
+    rows, toks = [], []
+    if batch.bad_req.numel():
+        width = batch.bad_prefix.shape[1]
+        w_idx, r = (batch.bad_req[:, None] == tree.row_req[None, :]).nonzero(as_tuple=True)
+        if width:
+            seq = torch.cat([batch.context_tail[tree.row_req[r]], tree.path_tokens[r]], dim=1)
+            at = tree.row_depth[r][:, None] + torch.arange(width, device=dev)
+            prefix = batch.bad_prefix[w_idx]
+            match = ((seq.gather(1, at) == prefix) | (prefix < 0)).all(-1)
+            w_idx, r = w_idx[match], r[match]
+        rows.append(r)
+        toks.append(batch.bad_last[w_idx])
+    if batch.stop_req.numel():
+        s_idx, r = (batch.stop_req[:, None] == tree.row_req[None, :]).nonzero(as_tuple=True)
+        req = batch.stop_req[s_idx]
+        ok = outputs_before_row(plan, req, tree.row_depth[r]) < batch.min_tokens[req]
+        rows.append(r[ok])
+        toks.append(batch.stop_ids[s_idx][ok])
+    if not rows:
+        return rows_all[:0], rows_all[:0]
+    return torch.cat(rows), torch.cat(toks)
+
+
+def _apply_tree_bans(plan: TreePlan) -> torch.Tensor:
+    """float32 [R, V] copy of the plan's logits with every banned token at -inf."""
+    y = plan.logits.float().clone()
+    rows, toks = _tree_ban_pairs(plan)
+    y[rows, toks] = -math.inf
+    if plan.batch.allowed_users:  # (allowed_token_ids: the rows of its requests, by slot)
+        a_rows, slots = _allowed_rows(plan)
+        y[a_rows] = torch.where(plan.batch.allowed_mask[slots], y[a_rows], -math.inf)
+    return y
+
+
+def _tree_errors(plan: TreePlan, draft_probs: torch.Tensor | None, row_max: torch.Tensor
+                 ) -> torch.Tensor:
+    """[N] int64 ERR_* bitmask: NaN / +inf target logits or rows without a finite logit (any
+    row), node tokens outside [0, V), invalid draft_probs rows of nodes with children."""
+    tree, n = plan.tree, plan.num_requests
+    req = tree.row_req
+    nan = torch.isnan(row_max) | torch.isposinf(row_max)
+    err = _or_per_request(nan, req, n, torch_backend.ERR_LOGITS_NAN)
+    err |= _or_per_request(torch.isneginf(row_max), req, n, torch_backend.ERR_LOGITS_NO_FINITE)
+    is_node = tree.row_parent >= 0
+    bad_id = is_node & ((tree.row_token < 0) | (tree.row_token >= plan.vocab_size))
+    err |= _or_per_request(bad_id, req, n, torch_backend.ERR_DRAFT_ID)
+    if draft_probs is not None:
+        q = draft_probs
+        bad = (~torch.isfinite(q) | (q < 0)).any(-1) | (q.float().sum(-1) <= 0)
+        has_children = (tree.children[:, 0] >= 0) if tree.children.shape[1] else bad & False
+        err |= _or_per_request(bad & has_children, req, n, torch_backend.ERR_DRAFT_ROW)
+    return err
+
+
+def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
+    """(the plan with invalid requests' rows sanitised, processed logits z' [R, V] float32,
+    [N] int64 ERR_* bitmask): ``torch_backend.processed_logits`` for tree rows."""
+    batch, n = plan.batch, plan.num_requests
+    row_max = plan.logits.amax(dim=-1)
+    err = _tree_errors(plan, plan.draft_probs, row_max)
+    invalid = err != 0
+    if bool(invalid.any()):
+        clean = plan.logits.masked_fill(invalid[plan.row_req][:, None], 0.0)
+        plan = dataclasses.replace(plan, logits=clean)
+    proc_plan = plan
+    if batch.needs_bans:
+        y = _apply_tree_bans(plan)
+        emptied = torch.isneginf(y.amax(-1)) & ~invalid[plan.row_req]
+        err |= _or_per_request(emptied, plan.row_req, n, torch_backend.ERR_BANS)
+        # The bans are in y: the processors must not apply chain-layout bans on top.
+        proc_plan = dataclasses.replace(plan, logits=y,
+                                        batch=dataclasses.replace(batch, needs_bans=False))
+        row_max = None
+    z = process_rows(proc_plan, row_max=row_max)
+    if batch.needs_bias or batch.needs_penalties:
+        live = ~(err != 0)[plan.row_req]
+        err |= _or_per_request(~torch.isfinite(z.amax(-1)) & live, plan.row_req, n,
+                               torch_backend.ERR_PROCESSED_OVERFLOW)
+    return plan, z, err
+
+
+def _draft_rows(draft_probs: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[len(rows), V] float32 drafter distributions of ``rows`` (0 beyond V')."""
+    q = draft_probs[rows].float()
+    pad = vocab - q.shape[1]
+    return torch.nn.functional.pad(q, (0, pad)) if pad else q
+
+
+def _walk_match(tree: TreeLayout, y: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """[N] final row of each request's sample-and-match walk from its root ``start``: descend
+    while the row's target token ``y`` is one of its children's tokens."""
+    cur = start.clone()
+    if not tree.children.shape[1]:
+        return cur
+    for _ in range(tree.depth):
+        kids = tree.children[cur]
+        match = (kids >= 0) & (tree.row_token[kids.clamp_min(0)] == y[cur][:, None])
+        has = match.any(1)
+        nxt = kids.gather(1, match.to(torch.int64).argmax(1, keepdim=True)).squeeze(1)
+        cur = torch.where(has, nxt, cur)
+    return cur
+
+
+def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
+              draft_probs: torch.Tensor, req_idx: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling (Jeon et al. 2024, Alg. 1) for requests ``req_idx``.
+
+    Returns ([n] final row, [n] emitted token) of each of those requests. At the current node
+    (depth d) child k (0-based, node-number order) is accepted iff
+    ``U(seed, pos + d, k, STREAM_ACCEPT) q^k(c) < p^k(c)``; on rejection
+    ``p <- norm(max(p - q, 0))`` (kept when that mass is 0) and ``q <- q`` without c,
+    renormalised (all zeros when nothing is left). When every child is rejected the emitted
+    token is a three-level Gumbel-max draw from ``max(p^m - q^m, 0)`` (STREAM_RESIDUAL* at
+    pos + d; the row's target token ``y`` if that mass is 0); at a leaf it is ``y``.
+    """
+    tree, batch = plan.tree, plan.batch
+    v = plan.vocab_size
+    dev = z.device
+    n = req_idx.shape[0]
+    cur = tree.row_start[req_idx].clone()
+    emitted = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    done = torch.zeros(n, dtype=torch.bool, device=dev)
+    seed_lo, seed_hi = batch.seed_lo[req_idx], batch.seed_hi[req_idx]
+    pos0 = plan.positions[req_idx]
+    width = tree.children.shape[1]
+    resid_rows, resid_w, resid_pos = [], [], []
+    for d in range(tree.depth + 1):
+        kids = tree.children[cur] if width else cur[:, None][:, :0]
+        leaf = ~done & ((kids[:, 0] < 0) if width else torch.ones_like(done))
+        emitted = torch.where(leaf, y[cur], emitted)
+        done |= leaf
+        if bool(done.all()):
+            break
+        p = torch.exp(z[cur] - lse[cur, None])
+        q = _draft_rows(draft_probs, cur, v)
+        nxt = torch.full_like(cur, -1)
+        last_w = torch.zeros_like(p)
+        for k in range(width):
+            child = kids[:, k]
+            live = ~done & (nxt < 0) & (child >= 0)
+            if not bool(live.any()):
+                break
+            c = tree.row_token[child.clamp_min(0)].clamp(0, v - 1)[:, None]
+            # (k = 0: verify()'s float32 operations, so a chain is verify(method="token"))
+            p_c = (torch.exp(z[cur].gather(1, c) - lse[cur, None]) if k == 0
+                   else p.gather(1, c)).squeeze(1)
+            q_c = q.gather(1, c).squeeze(1)
+            u = rng.uniform(seed_lo, seed_hi, pos0 + d, torch.full_like(cur, k),
+                            rng.STREAM_ACCEPT)
+            acc = live & (u * q_c < p_c)
+            nxt = torch.where(acc, child, nxt)
+            rej = live & ~acc
+            w = torch.clamp(p - q, min=0)
+            last_w = torch.where(rej[:, None], w, last_w)
+            s = w.sum(-1, keepdim=True)
+            p = torch.where(rej[:, None] & (s > 0), w / torch.where(s > 0, s, 1.0), p)
+            q = torch.where(rej[:, None], q.scatter(1, c, 0.0), q)
+            t = q.sum(-1, keepdim=True)
+            q = torch.where(rej[:, None] & (t > 0), q / torch.where(t > 0, t, 1.0), q)
+        all_rejected = ~done & (nxt < 0)
+        if bool(all_rejected.any()):
+            idx = all_rejected.nonzero().squeeze(1)
+            resid_rows.append(idx)
+            resid_w.append(last_w[idx])
+            resid_pos.append(pos0[idx] + d)
+            # (placeholder: the residual draws of every depth are made together below)
+            emitted = torch.where(all_rejected, y[cur], emitted)
+        done |= all_rejected
+        cur = torch.where(done, cur, nxt)
+    if resid_rows:
+        idx = torch.cat(resid_rows)
+        w = torch.cat(resid_w)
+        res = torch_backend.tiled_gumbel_argmax(
+            torch.log(w), None, seed_lo[idx], seed_hi[idx], torch.cat(resid_pos),
+            rng.STREAM_RESIDUAL, rng.STREAM_RESIDUAL_TILE)
+        emitted[idx] = torch.where(w.sum(-1) > 0, res, emitted[idx])
+    return cur, emitted
+
+
+def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
+              ) -> tuple[TreeVerifyOutput, torch.Tensor]:
+    """Verify every request's tree (module docstring); returns the output and the [N] ERR_*
+    bitmask."""
+    batch, tree = plan.batch, plan.tree
+    dev = plan.logits.device
+    plan, z, err = _processed(plan)
+    invalid = err != 0
+    tile_lse, lse = torch_backend.processed_tile_logsumexp(z)
+    req = tree.row_req
+    greedy_req = batch.temperature == 0
+    pos = plan.positions[req] + tree.row_depth
+    y = torch_backend.sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req],
+                                  batch.seed_hi[req], pos)
+    final = _walk_match(tree, y, tree.row_start)
+    emit = y[final]
+    if draft_probs is not None:
+        use = ~greedy_req & ~invalid
+        if bool(use.any()):
+            idx = use.nonzero().squeeze(1)
+            f, e = _walk_rrs(plan, z, lse, y, draft_probs, idx)
+            final = final.clone()
+            emit = emit.clone()
+            final[idx], emit[idx] = f, e
+    d = tree.depth
+    num_accepted = torch.where(invalid, 0, tree.row_depth[final])
+    path = tree.path_rows[final]  # [N, D + 1]
+    j = torch.arange(d + 1, device=dev)
+    on_path = (j[None, :] <= num_accepted[:, None]) & ~invalid[:, None]
+    path_tok = torch.nn.functional.pad(tree.row_token[path[:, 1:].clamp_min(0)], (0, 1),
+                                       value=-1)  # depth j + 1 at column j
+    token_ids = torch.where(j < num_accepted[:, None], path_tok,
+                            torch.where(j == num_accepted[:, None], emit[:, None], -1))
+    token_ids = torch.where(invalid[:, None], -1, token_ids)
+    node_ids = tree.row_node[path[:, 1:].clamp_min(0)]
+    accepted_node_ids = torch.where(on_path[:, 1:], node_ids, -1)
+    logprobs = logprob_ids = None
+    if batch.max_logprobs >= 0:
+        rows = torch.where(on_path, path, tree.row_start[:, None]).clamp_min(0)
+
+        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
+            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
+
+        logprobs, logprob_ids = torch_backend.emitted_logprobs(plan, processed, rows,
+                                                               token_ids, on_path)
+    out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
+                           accepted_node_ids=accepted_node_ids, logprobs=logprobs,
+                           logprob_token_ids=logprob_ids, invalid=invalid)
+    return out, err
+
+
+def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes,
+                batch: SamplingBatch, *, draft_probs: torch.Tensor | None = None,
+                positions=None, strict: bool = True) -> TreeVerifyOutput:
+    """Verify token trees against the target; the emitted tokens follow the target exactly.
+
+    Args:
+        target_logits: [N + M, V] float32 / float16 / bfloat16 raw target logits,
+            M = sum num_nodes; request i owns the m_i + 1 contiguous rows of its root (node 0)
+            and its nodes 1..m_i in order: row n is the target's distribution of the token
+            after node n.
+        draft_token_ids: [M] int64 (tensor or list): each node's token, request by request,
+            node 1..m_i. Siblings must hold distinct tokens.
+        parents: [M] int64 (tensor or list): the parent of each node, a node number in
+            [0, own number - 1] (0: the root), so nodes are numbered in topological order.
+        num_nodes: [N] ints >= 0 (list or integer tensor): m_i, the nodes of request i's tree.
+        batch: SamplingBatch of the N requests.
+        draft_probs: None (a tree chosen without looking at the target's randomness: verified
+            by sampling each node's row with ``sample()``'s noise and descending while the
+            sample is a child), or [N + M, V'] float (V' <= V): row n is the drafter's
+            distribution at node n, from which node n's children were drawn without
+            replacement in node-number order (recursive rejection sampling, Jeon et al.
+            2024, arXiv 2402.14160). Rows of leaves are not read.
+        positions: [N] int64 absolute position of the token after the root (a node at depth
+            d decides position ``positions[i] + d``). Required with user seeds; None as in
+            :func:`specsample.sample` (the batch's ``fresh_counter``, advanced by 1).
+        strict: raise SamplingError for invalid data (with False: ``invalid`` flags, ids -1).
+
+    Returns:
+        TreeVerifyOutput: token_ids [N, D + 1] int64 (the accepted path's tokens, then the
+        correction or bonus token, then -1; D the deepest node's depth in the batch),
+        num_accepted [N] int64 (the accepted path's length), accepted_node_ids [N, D] int64
+        (node numbers of the accepted path, -1 padded), logprobs / logprob_token_ids
+        [N, D + 1, 1 + n] or None, invalid [N] bool.
+
+    The tree layout is read on the host (one synchronisation for device tensors). Runs the
+    PyTorch backend on every device (paths ``torch.verify_tree.onehot`` /
+    ``torch.verify_tree.draft_probs``).
+
+    Raises:
+        ValueError: wrong types, shapes, dtypes or devices; a num_nodes entry < 0; a parent
+            outside [0, own number - 1]; two siblings with the same token; missing positions
+            with user seeds; strict=True (or any call: the torch backend) inside CUDA-graph
+            capture.
+        SamplingError: with strict=True, invalid data: NaN / +inf target logits or a row with
+            no finite logit (any node's row), a node token outside [0, V), an invalid
+            draft_probs row of a node with children, bans that leave no token, logit_bias or
+            penalties that overflow.
+    """
+    api._check_not_capturing(strict, "verify_tree")
+    api._check_batch(batch)
+    api._refuse_uncapturable("torch", batch, "verify_tree")
+    n = batch.num_requests
+    _check_float_matrix("target_logits", target_logits)
+    if target_logits.shape[1] != batch.vocab_size:
+        raise ValueError(f"target_logits have {target_logits.shape[1]} columns but the batch "
+                         f"was built for vocab_size={batch.vocab_size}")
+    device = target_logits.device
+    if device != batch.device and not (device.type == batch.device.type == "cuda"
+                                       and batch.device.index is None):
+        raise ValueError(f"target_logits are on {device} but the batch on {batch.device}")
+    m = _num_nodes_tuple(num_nodes, n)
+    total = sum(m)
+    if target_logits.shape[0] != n + total:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows; expected N + "
+                         f"sum(num_nodes) = {n} + {total} = {n + total}")
+    tokens = _int_vector("draft_token_ids", draft_token_ids, total)
+    par = _int_vector("parents", parents, total)
+    if draft_probs is not None:
+        _check_float_matrix("draft_probs", draft_probs)
+        if draft_probs.shape[0] != n + total:
+            raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows; expected one per "
+                             f"row of target_logits ({n + total})")
+        if not 1 <= draft_probs.shape[1] <= target_logits.shape[1]:
+            raise ValueError(f"draft_probs has {draft_probs.shape[1]} columns; the draft "
+                             f"vocabulary must be 1..{target_logits.shape[1]} (the target's)")
+        if draft_probs.device != device:
+            raise ValueError(f"draft_probs is on {draft_probs.device} but target_logits on "
+                             f"{device}")
+    tree = build_tree_layout(m, par, tokens, device)
+    pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
+    plan = _tree_plan(target_logits, batch, pos, tree)
+    plan = dataclasses.replace(plan, draft_probs=draft_probs)
+    kind = "onehot" if draft_probs is None else "draft_probs"
+    paths.record(f"torch.verify_tree.{kind}", n + total)
+    out, err = _run_tree(plan, draft_probs)
+    n_greedy = sum(p.greedy for p in batch.params)
+    if n_greedy:
+        paths.record("requests.greedy", n_greedy)
+    if n_greedy < n:
+        paths.record("requests.sampled", n - n_greedy)
+    if strict and bool((err != 0).any()):
+        codes = err.tolist()
+        raise SamplingError([i for i, c in enumerate(codes) if c],
+                            torch_backend.describe_errors(codes))
+    return out
