@@ -231,8 +231,8 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor
         words = [t.numpy(force=True).astype(u64) for t in (
             counter & MASK32, position & MASK32, (position >> 32) & MASK32, seed_lo, seed_hi)]
         w0, w1 = _philox_numpy(words[0], words[1], words[2], u64(stream), words[3], words[4])
-        u = (((w0 >> u64(6)) << u64(26)) + (w1 >> u64(6))).astype(np.float64)
-        u += 0.5
+        u = np.asarray((((w0 >> u64(6)) << u64(26)) + (w1 >> u64(6))), dtype=np.float64)
+        u += 0.5  # (in place: 0-d keys keep a 0-d array, which torch.from_numpy takes)
         u *= UNIFORM_SCALE
         return torch.from_numpy(u)
     c3 = torch.full((), stream, dtype=torch.int64, device=position.device)
