@@ -974,3 +974,321 @@ def exact_multistep_law(target_fn: TargetFn, draft_fn: DraftFn, k: int, params: 
         return out
 
     return rec(tuple(context), length)
+
+
+# --------------------------------------------------------------------------------------------
+# Tree verification (docs/semantics.md, "Tree verification"; specsample.verify_tree)
+# --------------------------------------------------------------------------------------------
+
+
+def _tree_of(parents: Sequence[int], tokens: Sequence[int] | None, request: int = 0
+             ) -> tuple[list[list[int]], list[int]]:
+    """(children of each node 0..m in node-number order, depth of each node) of one tree.
+
+    ``parents[n - 1]`` is node n's parent. Raises ValueError for a parent outside
+    [0, n - 1] or, when ``tokens`` is given, two siblings with the same token."""
+    m = len(parents)
+    children: list[list[int]] = [[] for _ in range(m + 1)]
+    depth = [0] * (m + 1)
+    for n, par in enumerate(parents, start=1):
+        if not 0 <= par < n:
+            raise ValueError(f"request {request}: node {n} has parent {par}, outside [0, {n - 1}]")
+        if tokens is not None and any(tokens[c - 1] == tokens[n - 1] for c in children[par]):
+            raise ValueError(f"request {request}: two children of node {par} hold the token "
+                             f"{tokens[n - 1]}")
+        children[par].append(n)
+        depth[n] = depth[par] + 1
+    return children, depth
+
+
+def _tree_residual(w: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray, seed: int, pos: int,
+                   trace: RequestTrace | None) -> int | None:
+    """Three-level Gumbel-max draw from the weights ``w`` (STREAM_RESIDUAL*), None when they
+    are all 0. ``w_lo`` / ``w_hi`` bound the float32 weights (near-tie bookkeeping)."""
+    if not np.any(w > 0):
+        if trace is not None and np.any(w_hi > 0):
+            trace.flag("tree residual degenerate (near-zero)")
+        return None
+    with np.errstate(divide="ignore"):
+        best = _three_level(np.log(w), 0.0, seed, pos, STREAM_RESIDUAL_TILE, STREAM_RESIDUAL,
+                            trace, "tree residual", None if trace is None else (w_lo, w_hi))
+        if trace is not None:
+            if not np.any(w_lo > 0):
+                trace.flag("tree residual possibly degenerate")
+            ids = np.arange(best // SUBTILE * SUBTILE, min(best // SUBTILE * SUBTILE + SUBTILE,
+                                                           w.shape[0]))
+            noise = np.array([gumbel_scalar(seed, pos, int(x), STREAM_RESIDUAL) for x in ids])
+            key_hi = np.log(w_hi[ids]) + noise
+            key_lo = math.log(w_lo[best]) + noise[best - ids[0]] if w_lo[best] > 0 else -math.inf
+            rivals = (ids != best) & (w_hi[ids] > 0)
+            if np.any(key_lo - key_hi[rivals] <= REL_TOL * (1 + abs(key_lo))):
+                trace.flag("tree residual near-tie")
+    return best
+
+
+def _rrs_node(row: ProcessedRow, q: np.ndarray, q_err: float, child_tokens: list[int],
+              seed: int, pos: int, trace: RequestTrace | None) -> tuple[int | None, int | None]:
+    """Recursive rejection sampling at one node (Jeon et al. 2024, arXiv 2402.14160, Alg. 1).
+
+    ``row``: the node's processed target row (p); ``q``: the drafter's distribution there,
+    from which ``child_tokens`` (node-number order) were drawn without replacement. Child k
+    (0-based) is accepted iff ``U(seed, pos, k, STREAM_ACCEPT) q^k(c) < p^k(c)``; on rejection
+    ``p^{k+1} = norm(max(p^k - q^k, 0))`` (kept if that mass is 0) and ``q^{k+1}`` is ``q^k``
+    without c, renormalised. Returns (index of the accepted child, None) or (None, the token
+    drawn from ``max(p^m - q^m, 0)``, or None when that mass is 0). Float32 error intervals
+    of p^k and q^k are carried along for the trace.
+    """
+    p = row.probs
+    bounds = [_value_bounds(float(p[x]), row.logp_err(x)) for x in range(p.shape[0])]
+    p_lo, p_hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
+    q = q.copy()
+    q_lo = np.array([_value_bounds(float(v), q_err)[0] for v in q])
+    q_hi = np.array([_value_bounds(float(v), q_err)[1] for v in q])
+    for k, c in enumerate(child_tokens):
+        u = uniform_scalar(seed, pos, k, STREAM_ACCEPT)
+        if trace is not None and p[c] > 0 and p_lo[c] <= u * q_hi[c] * (1 + 1e-6) and (
+                u * q_lo[c] * (1 - 1e-6) <= p_hi[c]):
+            trace.flag(f"tree acceptance near-tie (child {k})")
+        if u * q[c] < p[c]:
+            return k, None
+        slack = 1e-7 * (p + q)
+        w = np.maximum(p - q, 0.0)
+        w_lo, w_hi = np.maximum(p_lo - q_hi - slack, 0.0), np.maximum(p_hi - q_lo + slack, 0.0)
+        if k == len(child_tokens) - 1:
+            return None, _tree_residual(w, w_lo, w_hi, seed, pos, trace)
+        s = w.sum()
+        if s > 0:
+            s_lo, s_hi = w_lo.sum() * (1 - 1e-6), w_hi.sum() * (1 + 1e-6)
+            p = w / s
+            p_lo = w_lo / s_hi
+            p_hi = np.minimum(w_hi / s_lo, 1.0) if s_lo > 0 else np.ones_like(p)
+        for arr in (q, q_lo, q_hi):
+            arr[c] = 0.0
+        t, t_lo, t_hi = q.sum(), q_lo.sum() * (1 - 1e-6), q_hi.sum() * (1 + 1e-6)
+        if t > 0:
+            q = q / t
+            q_lo = q_lo / t_hi
+            q_hi = q_hi / t_lo if t_lo > 0 else np.ones_like(q)
+    raise AssertionError("unreachable: a node with children returns inside the loop")
+
+
+def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes,
+                batch: SamplingBatch, *, draft_probs: torch.Tensor | None = None,
+                positions=None, strict: bool = False, return_traces: bool = False):
+    """Reference ``specsample.verify_tree`` (docs/semantics.md, "Tree verification"), one
+    request and one node at a time in float64.
+
+    Same arguments and output as the public function, except: ``strict`` defaults to False;
+    logprobs are float64; with ``return_traces=True`` returns
+    ``(TreeVerifyOutput, [RequestTrace] * N)``; ``positions=None`` takes
+    :func:`specsample.plan.fresh_positions` as the public function does.
+
+    Deterministic trees (``draft_probs=None``) and greedy requests: at the node at depth d
+    the target token is the row's ``sample()`` draw at ``pos + d`` (argmax for greedy
+    requests); the walk descends to the child holding it, else emits it. ``draft_probs``
+    trees: :func:`_rrs_node` at each node; a leaf emits its row's draw (the bonus token).
+    """
+    from .outputs import TreeVerifyOutput
+
+    n = batch.num_requests
+    ms = [int(v) for v in (num_nodes.tolist() if isinstance(num_nodes, torch.Tensor)
+                           else num_nodes)]
+    if len(ms) != n or any(v < 0 for v in ms):
+        raise ValueError("num_nodes must hold N entries >= 0")
+    x_all = _as_f64(target_logits)
+    v = x_all.shape[1]
+    total = sum(ms)
+    if x_all.shape[0] != n + total or v != batch.vocab_size:
+        raise ValueError(f"target_logits has shape {tuple(x_all.shape)}")
+    toks_all = [int(t) for t in (draft_token_ids.tolist() if isinstance(
+        draft_token_ids, torch.Tensor) else draft_token_ids)]
+    par_all = [int(t) for t in (parents.tolist() if isinstance(parents, torch.Tensor)
+                                else parents)]
+    if len(toks_all) != total or len(par_all) != total:
+        raise ValueError("draft_token_ids and parents must hold sum(num_nodes) entries")
+    dist = None if draft_probs is None else _as_f64(draft_probs)
+    if dist is not None and (dist.shape[0] != n + total or not 1 <= dist.shape[1] <= v):
+        raise ValueError(f"draft_probs has shape {tuple(dist.shape)}")
+    trees = []
+    s0 = 0
+    for i, m in enumerate(ms):
+        trees.append(_tree_of(par_all[s0:s0 + m], toks_all[s0:s0 + m], i))
+        s0 += m
+    if positions is None:
+        positions = fresh_positions(batch)
+    pos_all = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor)
+                                else positions)]
+    seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
+    prompts = _per_request_tokens(batch.prompt_req, batch.prompt_ids, n)
+    outputs = _per_request_tokens(batch.output_req, batch.output_ids, n)
+    tails = [[t for t in row if t >= 0] for row in batch.context_tail.tolist()]
+    num_outputs = batch.num_output.tolist()
+    dmax = max((max(depth) for _, depth in trees), default=0)
+    nlp = batch.max_logprobs
+    lp_shape = (n, dmax + 1, max(nlp, 0) + 1)
+    lp_vals, lp_ids = (torch.full(lp_shape, -math.inf, dtype=torch.float64),
+                       torch.full(lp_shape, -1, dtype=torch.int64)) if nlp >= 0 else (None, None)
+    token_ids, node_ids = (torch.full((n, w), -1, dtype=torch.int64) for w in (dmax + 1, dmax))
+    num_accepted, invalid = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool)
+    traces = [RequestTrace() for _ in range(n)]
+    row0 = s0 = 0
+    for i, (params, m) in enumerate(zip(batch.params, ms)):
+        trace = traces[i] if return_traces else None
+        children, depth = trees[i]
+        toks = [-1] + toks_all[s0:s0 + m]  # toks[node]
+        raws = [x_all[row0 + node] for node in range(m + 1)]
+        qrows = None if dist is None else [dist[row0 + node] for node in range(m + 1)]
+        paths_of = [[]]
+        for node in range(1, m + 1):
+            paths_of.append(paths_of[par_all[s0 + node - 1]] + [toks[node]])
+        row0 += m + 1
+        s0 += m
+
+        def process(node: int, tr: RequestTrace | None, i=i, params=params, paths_of=paths_of,
+                    raws=raws, depth=depth) -> ProcessedRow:
+            path = paths_of[node]
+            return process_row(raws[node], params, prompt_token_ids=prompts[i],
+                               output_token_ids=outputs[i] + path, trace=tr,
+                               context_token_ids=tails[i] + path,
+                               num_output_tokens=num_outputs[i] + depth[node],
+                               eos_token_ids=batch.eos_token_ids)
+
+        bad = any(_row_invalid(r) for r in raws) or any(not 0 <= t < v for t in toks[1:])
+        if qrows is not None:
+            bad = bad or any(_draft_row_invalid(qrows[node], "probs")
+                             for node in range(m + 1) if children[node])
+        if bad or any(not math.isfinite(process(node, None).lse) for node in range(m + 1)):
+            invalid[i] = True
+            continue
+        node, rows_on_path = 0, []
+        while True:
+            row = process(node, trace)
+            rows_on_path.append((node, row))
+            pos = pos_all[i] + depth[node]
+            kids = children[node]
+            if qrows is None or params.greedy or not kids:
+                y = _target_sample(row, params.greedy, seeds[i], pos, trace)
+                nxt = next((c for c in kids if toks[c] == y), None)
+                if nxt is None:
+                    emitted = y
+                    break
+                node = nxt
+                continue
+            q, q_err = _draft_q(qrows[node], "probs", params, v)
+            k, res = _rrs_node(row, q, q_err, [toks[c] for c in kids], seeds[i], pos, trace)
+            if k is not None:
+                node = kids[k]
+                continue
+            emitted = res if res is not None else _target_sample(row, False, seeds[i], pos,
+                                                                 trace)
+            break
+        a = depth[node]
+        path = paths_of[node]
+        token_ids[i, : a + 1] = torch.tensor(path + [emitted])
+        num_accepted[i] = a
+        chain = [nd for nd, _ in rows_on_path]
+        if a:
+            node_ids[i, :a] = torch.tensor(chain[1:])
+        if nlp >= 0:
+            want = params.logprobs if params.logprobs is not None else 0
+            for j, (nd, row) in enumerate(rows_on_path):
+                vals, ids = _logprob_entries(raws[nd], row, params.logprobs_mode,
+                                             int(token_ids[i, j]), min(want, nlp))
+                lp_vals[i, j, : len(vals)] = torch.tensor(vals, dtype=torch.float64)
+                lp_ids[i, j, : len(ids)] = torch.tensor(ids)
+    if strict and bool(invalid.any()):
+        raise SamplingError(invalid.nonzero().squeeze(1).tolist(), "invalid input data")
+    out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
+                           accepted_node_ids=node_ids, logprobs=lp_vals,
+                           logprob_token_ids=lp_ids, invalid=invalid)
+    return (out, traces) if return_traces else out
+
+
+def _draws_without_replacement(q: np.ndarray, m: int):
+    """Every ordered draw of ``m`` distinct tokens from ``q`` without replacement, with its
+    probability ``prod_k q(c_k) / (1 - sum_{j < k} q(c_j))`` (yields (tokens, prob))."""
+    def rec(prefix: tuple, prob: float, left: float):
+        if len(prefix) == m:
+            yield prefix, prob
+            return
+        for x in np.flatnonzero(q > 0):
+            if int(x) not in prefix and left > 0:
+                yield from rec(prefix + (int(x),), prob * float(q[x]) / left, left - float(q[x]))
+
+    yield from rec((), 1.0, float(q.sum()))
+
+
+def exact_tree_step_law(target_fn: TargetFn, parents: Sequence[int], params: SamplingParams,
+                        *, tokens: Sequence[int] | None = None, draft_fn: DraftFn | None = None,
+                        context: tuple = (), prompt_token_ids: Sequence[int] = (),
+                        eos_token_ids: Sequence[int] = ()) -> dict[tuple, float]:
+    """Exact law of what one :func:`specsample.verify_tree` step emits, by enumeration.
+
+    The tree's shape is ``parents`` (node n's parent at ``parents[n - 1]``). Either
+    ``tokens`` (a deterministic tree: node n holds ``tokens[n - 1]``; the walk descends with
+    probability ``p(child token)`` and otherwise emits a token of p that no child holds) or
+    ``draft_fn(ctx)`` (the drafter's distribution ``[V']`` after output context ``ctx``; each
+    node's children are drawn from it without replacement in node-number order, every
+    ordered draw enumerated with its probability, and recursive rejection sampling
+    integrated analytically: child k accepted with ``min(1, p^k(c_k) / q^k(c_k))``, then
+    ``p^{k+1} = norm(max(p^k - q^k, 0))``, ``q^{k+1}`` = q^k without c_k renormalised; the
+    correction from ``p^{m+1}``). Greedy params: the argmax walk. ``target_fn``, ``context``,
+    ``prompt_token_ids``, ``eos_token_ids`` as in :func:`exact_step_law`. Returns
+    {emitted tokens: probability}; composed with :func:`exact_target_law` for the tokens
+    after it, it gives the target's law (the exactness identity the tests check).
+    """
+    if (tokens is None) == (draft_fn is None):
+        raise ValueError("give tokens (a deterministic tree) or draft_fn, not both or neither")
+    children, _ = _tree_of(parents, tokens)
+    cache: dict = {}
+    memo: dict = {}
+
+    def add(out: dict, key: tuple, prob: float) -> None:
+        if prob > 0:
+            out[key] = out.get(key, 0.0) + prob
+
+    def walk_to(out: dict, ctx: tuple, tok: int, child: int, prob: float) -> None:
+        for seq, pr in node_law(ctx + (tok,), child).items():
+            add(out, (tok,) + seq, prob * pr)
+
+    def node_law(ctx: tuple, node: int) -> dict[tuple, float]:
+        if (ctx, node) in memo:
+            return memo[ctx, node]
+        row, law = _target_law_row(target_fn, ctx, params, prompt_token_ids, cache,
+                                   eos_token_ids)
+        kids = children[node]
+        out: dict[tuple, float] = {}
+        if tokens is not None or not kids:
+            held = {tokens[c - 1]: c for c in kids} if tokens is not None else {}
+            for x in np.flatnonzero(law > 0):
+                if int(x) in held:
+                    walk_to(out, ctx, int(x), held[int(x)], float(law[x]))
+                else:
+                    add(out, (int(x),), float(law[x]))
+            memo[ctx, node] = out
+            return out
+        q0, _ = _draft_q(draft_fn(ctx), "probs", params, row.z.shape[0])
+        for drawn, pdraw in _draws_without_replacement(q0, len(kids)):
+            if params.greedy:
+                y = int(np.argmax(law))
+                if y in drawn:
+                    walk_to(out, ctx, y, kids[drawn.index(y)], pdraw)
+                else:
+                    add(out, (y,), pdraw)
+                continue
+            p, q, reach = row.probs, q0.copy(), pdraw
+            for k, c in enumerate(drawn):
+                acc = (1.0 if p[c] > 0 else 0.0) if q[c] <= 0 else min(1.0, p[c] / q[c])
+                walk_to(out, ctx, c, kids[k], reach * acc)
+                reach *= 1.0 - acc
+                w = np.maximum(p - q, 0.0)
+                p = w / w.sum() if w.sum() > 0 else p
+                q = q.copy()
+                q[c] = 0.0
+                q = q / q.sum() if q.sum() > 0 else q
+            for x in np.flatnonzero(p > 0):
+                add(out, (int(x),), reach * float(p[x]))
+        memo[ctx, node] = out
+        return out
+
+    return node_law(tuple(context), 0)
