@@ -546,10 +546,11 @@ class SamplingBatch:
         if self.output_counts.shape[1]:
             penal = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
                      | (self.repetition_penalty != 1))
-            rows = torch.arange(n, device=tok.device)[:, None].expand_as(tok)
+            # One scatter-add of 0 / 1 per emitted slot into the flat [N * V] counts (exact
+            # integers in any order; no sort, capturable).
+            flat = torch.arange(n, device=tok.device)[:, None] * self.vocab_size + tok.clamp_min(0)
             add = (emitted & penal[:, None]).to(torch.float32)
-            self.output_counts.index_put_((rows.reshape(-1), tok.clamp_min(0).reshape(-1)),
-                                          add.reshape(-1), accumulate=True)
+            self.output_counts.view(-1).scatter_add_(0, flat.reshape(-1), add.reshape(-1))
         width = self.context_tail.shape[1]
         if width:
             # The last W of (tail, emitted tokens): columns count .. count + W - 1.
@@ -603,8 +604,8 @@ class SamplingBatch:
         return SamplingBatch(
             params=params, vocab_size=self.vocab_size, device=self.device,
             seed_lo=self.seed_lo[rows], seed_hi=self.seed_hi[rows],
-            output_counts=self.output_counts[rows, :cols],
-            prompt_mask=self.prompt_mask[rows, :cols],
+            output_counts=self.output_counts[rows, :cols].contiguous(),
+            prompt_mask=self.prompt_mask[rows, :cols].contiguous(),
             num_output=self.num_output[rows],
             context_tail=_fit_width(self.context_tail[rows], static["bad_prefix"].shape[1]),
             fresh_counter=self.fresh_counter, eos_token_ids=self.eos_token_ids, **static)
