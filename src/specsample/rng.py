@@ -227,10 +227,10 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor
     (:func:`philox`); both are this module's function bit for bit.
     """
     if position.device.type == "cpu" and counter.device.type == "cpu":
-        u64 = np.uint64
-        words = [t.numpy(force=True).astype(u64) for t in (
-            counter & MASK32, position & MASK32, (position >> 32) & MASK32, seed_lo, seed_hi)]
-        w0, w1 = _philox_numpy(words[0], words[1], words[2], u64(stream), words[3], words[4])
+        u64, mask = np.uint64, np.uint64(MASK32)
+        # (int64 -> uint64 keeps the bits; the words are masked on the numpy side)
+        cnt, pos, lo, hi = (t.numpy().astype(u64) for t in (counter, position, seed_lo, seed_hi))
+        w0, w1 = _philox_numpy(cnt & mask, pos & mask, pos >> u64(32), u64(stream), lo, hi)
         u = np.asarray((((w0 >> u64(6)) << u64(26)) + (w1 >> u64(6))), dtype=np.float64)
         u += 0.5  # (in place: 0-d keys keep a 0-d array, which torch.from_numpy takes)
         u *= UNIFORM_SCALE
