@@ -76,10 +76,12 @@ __all__ = [
     "exact_multistep_law",
     "exact_step_law",
     "exact_target_law",
+    "exact_tree_step_law",
     "process_row",
     "processed_probs",
     "sample",
     "verify",
+    "verify_tree",
 ]
 
 #: Error model for float32 backends: a processed logit ``z'_x`` of a row may differ from its

@@ -397,7 +397,7 @@ def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tenso
             resid_rows.append(idx)
             resid_w.append(last_w[idx])
             resid_pos.append(pos0[idx] + d)
-            # (placeholder: the residual draws of every depth are made together below)
+            # (y for now: the residual draws of every depth are made together below)
             emitted = torch.where(all_rejected, y[cur], emitted)
         done |= all_rejected
         cur = torch.where(done, cur, nxt)
