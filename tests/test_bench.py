@@ -20,14 +20,19 @@ def torch_backend(monkeypatch):
 def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
             "1,2", "--vocab", "512", "--k", "3", "--sample-batch-sizes", "1,2",
-            "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--options", "T0.6+p0.9",
-            "--block"]
+            "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--options",
+            "T0.6+p0.9,lp5-raw", "--block", "--draft-counts", "varying,device"]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     cases = report["cases"]
-    # verify (kind x T x B) + sample (T x B) + block (T x B) + the option case (verify x B,
+    # verify (kind x T x B) + sample (T x B) + --block (token draft_probs, block draft_logits
+    # and draft_probs: 3 x T x B) + draft counts (2 x B) + two option cases (verify x B,
     # sample x B)
-    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 2 * 2 + 2 + 2
+    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 3 * 2 * 2 + 2 * 2 + 2 * (2 + 2)
+    lp = [c for c in cases if c["options"] == "lp5-raw"]
+    assert lp and all(c["baseline"]["eager_us"] > 0 for c in lp)  # the torch baseline
+    varying = [c for c in cases if c["counts"] == "varying"]
+    assert [c["rows"] for c in varying] == [1, 1 + 2]  # k_i = i mod (K + 1)
     assert report["copy_bandwidth_bytes_per_s"] > 0
     for case in cases:
         for variant in ("fused", "unfused"):
@@ -39,8 +44,9 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
         expected = "torch.sample" if case["op"] == "sample" else f"torch.verify.{case['draft']}"
         assert case["fused"]["paths"][expected]["calls"] >= 2
         assert case["unfused"]["paths"][expected]["calls"] >= 2
-    dl = [c for c in cases if c["draft"] == "draft_logits"]
+    dl = [c for c in cases if c["draft"] in ("draft_logits", "draft_probs")]
     assert all(c["floor_target_us"] >= c["floor_us"] for c in dl)
+    assert {c["method"] for c in dl} == {"token", "block"}
     printed = capsys.readouterr().out
     assert "verify/onehot/T=0.7/B=2" in printed and "sample/sample/T0.6+p0.9/B=2" in printed
     pytest.importorskip("matplotlib")

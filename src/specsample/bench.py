@@ -25,11 +25,20 @@ Protocol (the reference measurement of docs/design.md):
   from the run's own ``num_accepted``.
 * Peak temporary memory: ``max_memory_allocated`` during one eager call minus what was
   allocated before it (inputs excluded, outputs included).
+* Host time (column ``host``, CUDA only): the median wall time of one eager call until it
+  returns, with the device idle before it: the Python work and launches an engine pays per
+  call (compare with eager minus graph replay).
+
+Extra cases: ``--block`` adds token-level verification with draft probabilities and block
+verification with draft logits and draft probabilities; ``--draft-counts varying,device`` adds
+one-hot cases whose requests draft i mod (K + 1) tokens, or whose ``num_draft_tokens`` is a
+device tensor with ``max_num_draft_tokens=K``; ``--options`` adds filter and logprob cases,
+and the logprob ones are timed beside the PyTorch code a caller would write instead
+(``log_softmax`` in float32, ``topk``, a gather; column ``base graph``).
 
 On a CPU (no CUDA) the harness runs the PyTorch backend with ``time.perf_counter`` medians and
-no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` runs the CPU check of
-the CPU check instead: verify() at B = 8, K = 4, V = 151,936, float32, T = 0.7, one-hot drafts,
-against one ``torch.softmax`` over the same [40, 151936] tensor (target: at most 2x).
+no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` times the CPU path per
+option instead (:data:`CPU_CASES`), each against one ``torch.softmax`` over the same rows.
 """
 
 from __future__ import annotations
@@ -149,9 +158,11 @@ class Inputs:
     batch: SamplingBatch  # the case's requests (fused path)
     general_batch: SamplingBatch  # same requests plus a no-op logit_bias (general path)
     positions: torch.Tensor  # [N] int64
-    num_draft: list[int]  # [N] k_i (a list: no host synchronisation)
+    num_draft: list[int] | torch.Tensor  # [N] k_i (a list, or a device tensor: "device")
     drafts: torch.Tensor | None  # [S] int64
     draft_logits: torch.Tensor | None  # [S, V]
+    draft_probs: torch.Tensor | None = None  # [S, V] float32
+    max_num_draft_tokens: int | None = None  # with a device num_draft ("device" counts)
 
 
 # --------------------------------------------------------------------------- cases
@@ -159,8 +170,11 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: ``op`` "verify" (with ``draft`` "onehot" / "draft_logits") or
-    "sample" (``draft`` None), a temperature label, batch size, drafts per request, vocab."""
+    """One benchmark case: ``op`` "verify" (with ``draft`` "onehot" / "draft_logits" /
+    "draft_probs") or "sample" (``draft`` None), a temperature label, batch size, drafts per
+    request, vocab. ``counts``: "fixed" (k drafts each, a host list), "varying" (request i has
+    i mod (k + 1) drafts) or "device" (fixed k, ``num_draft_tokens`` a device tensor with
+    ``max_num_draft_tokens=k``: no host read)."""
 
     op: str
     draft: str | None
@@ -171,10 +185,13 @@ class Case:
     dtype: str
     options: str = ""  # an OPTION_CASES label (its temperature replaces ``temperature``)
     method: str = "token"  # verify(): "token" or "block"
+    counts: str = "fixed"
 
     @property
     def name(self) -> str:
         kind = (self.draft or "sample") + ("+block" if self.method == "block" else "")
+        if self.counts != "fixed":
+            kind += f"+{self.counts}-k"
         setting = self.options or f"T={self.temperature}"
         return f"{self.op}/{kind}/{setting}/B={self.batch}"
 
@@ -189,6 +206,7 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     n, k = case.batch, (case.k if case.op == "verify" else 0)
+    ks = [i % (k + 1) for i in range(n)] if case.counts == "varying" else [k] * n
     extra = {}
     if case.options:
         t_case, extra = OPTION_CASES[case.options]
@@ -198,23 +216,38 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     params = [SamplingParams(temperature=t, seed=1000 + i, **extra) for i, t in enumerate(temps)]
     general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=NOOP_BIAS, **extra)
                for i, t in enumerate(temps)]
-    logits = zipf_logits(n * (k + 1), case.vocab, dtype=DTYPES[case.dtype], device=device,
+    logits = zipf_logits(sum(ks) + n, case.vocab, dtype=DTYPES[case.dtype], device=device,
                          generator=gen)
-    drafts = draft_logits = None
-    if k:
-        draft_rows = logits.view(n, k + 1, -1)[:, :k].reshape(n * k, -1)
+    drafts = draft_logits = draft_probs = None
+    if sum(ks):
+        is_draft = torch.ones(logits.shape[0], dtype=torch.bool, device=device)
+        is_draft[torch.tensor(ks, device=device).cumsum(0) + torch.arange(n, device=device)] = (
+            False)  # (each request's last row is its bonus row)
+        draft_rows = logits[is_draft]
         if case.draft == "onehot":
             drafts = onehot_drafts(draft_rows, gen)
         else:
             draft_logits = perturbed_draft_logits(draft_rows, gen)
-            row_t = torch.tensor(temps, device=device).repeat_interleave(k)
+            row_t = torch.tensor(temps, device=device).repeat_interleave(
+                torch.tensor(ks, device=device))
             drafts = drafter_samples(draft_logits, row_t, gen)
+            if case.draft == "draft_probs":  # the drafter's exact distribution, float32
+                t = row_t[:, None]
+                z = draft_logits.float()
+                onehot = torch.zeros_like(z).scatter_(1, z.argmax(1, keepdim=True), 1.0)
+                draft_probs = torch.where(t > 0, torch.softmax(z / t.clamp_min(1e-6), -1),
+                                          onehot)
+                draft_logits = None
+    num_draft, max_k = ks, None
+    if case.counts == "device":
+        num_draft, max_k = torch.tensor(ks, dtype=torch.int64, device=device), k
     return Inputs(
         logits=logits,
         batch=SamplingBatch.from_params(params, vocab_size=case.vocab, device=device),
         general_batch=SamplingBatch.from_params(general, vocab_size=case.vocab, device=device),
         positions=4096 + 64 * torch.arange(n, dtype=torch.int64, device=device),
-        num_draft=[k] * n, drafts=drafts, draft_logits=draft_logits,
+        num_draft=num_draft, drafts=drafts, draft_logits=draft_logits, draft_probs=draft_probs,
+        max_num_draft_tokens=max_k,
     )
 
 
@@ -235,9 +268,11 @@ def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
     else:
         def call():
             logits, batch = prepare()
+            kw = {} if inp.max_num_draft_tokens is None else {
+                "max_num_draft_tokens": inp.max_num_draft_tokens}
             return verify(logits, inp.drafts, inp.num_draft, batch,
-                          draft_logits=inp.draft_logits, positions=inp.positions,
-                          method=case.method, strict=False)
+                          draft_logits=inp.draft_logits, draft_probs=inp.draft_probs,
+                          positions=inp.positions, method=case.method, strict=False, **kw)
     return call
 
 
@@ -274,6 +309,40 @@ def time_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: int, r
         fn()
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = 50) -> float | None:
+    """Median host time of one call in microseconds on CUDA (None elsewhere): the Python work
+    and kernel launches until ``fn`` returns, the device idle before each call (synchronised),
+    so no call waits for an earlier one's kernels. The host overhead an engine pays per eager
+    call; compare with eager minus graph-replay time."""
+    if not _cuda(device):
+        return None
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def logprob_baseline(case: Case, inp: Inputs) -> Callable[[], object] | None:
+    """What a caller would write instead of asking for logprobs (None for cases without
+    logprobs): ``torch.log_softmax`` of every row in float32, ``topk(n)`` and the gathered
+    logprob of one token per row."""
+    n = OPTION_CASES[case.options][1].get("logprobs") if case.options else None
+    if n is None:
+        return None
+    rows = inp.logits
+    tok = rows.argmax(-1, keepdim=True)
+
+    def call():
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        top = lp.topk(n, dim=-1) if n else None
+        return lp.gather(1, tok), top
+    return call
 
 
 def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -340,7 +409,8 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
     record the paths it ran. Errors (a forbidden path, a failed capture) are recorded, not
     raised. The first eager call's output is kept under "output" for acceptance statistics."""
     fn = make_call(case, inp, variant)
-    res: dict = {"eager_us": None, "graph_us": None, "peak_temp_mib": None, "paths": {},
+    res: dict = {"eager_us": None, "graph_us": None, "host_us": None, "peak_temp_mib": None,
+                 "paths": {},
                  "error": None, "graph_error": None, "filter_serial_rows": None}
     paths.reset()
     with paths.forbid(*forbidden_paths(cfg.backend, variant)):
@@ -357,6 +427,7 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
             res["peak_temp_mib"] = peak_temp_mib(fn, cfg.device)
             res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms,
                                       rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
+            res["host_us"] = host_us(fn, cfg.device)
         except Exception as exc:  # recorded in the report; the other cases still run
             res["error"] = f"{type(exc).__name__}: {exc}"
         if res["error"] is None and cfg.graphs:
@@ -368,6 +439,21 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
             except Exception as exc:
                 res["graph_error"] = f"{type(exc).__name__}: {exc}"
     res["paths"] = paths.counts()
+    return res
+
+
+def measure_plain(fn: Callable[[], object], cfg: Settings) -> dict:
+    """Eager and graph-replay time of a plain PyTorch callable (the logprob baseline)."""
+    res: dict = {"eager_us": None, "graph_us": None, "error": None, "graph_error": None}
+    try:
+        res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
+                                  cpu_repeats=cfg.cpu_repeats)
+        if cfg.graphs:
+            graph, _ = capture_graph(fn)
+            res["graph_us"] = time_us(graph.replay, cfg.device, warmup_ms=cfg.warmup_ms,
+                                      rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
     return res
 
 
@@ -383,22 +469,25 @@ def acceptance(case: Case, inp: Inputs, output) -> dict:
         return {"mean_accepted": None, "rejected_sampled": 0}
     acc = output.num_accepted
     sampled = inp.batch.temperature > 0
-    rejected = int(((acc < case.k) & sampled).sum())
+    ks = torch.as_tensor(inp.num_draft, device=acc.device)
+    rejected = int(((acc < ks) & sampled).sum())
     return {"mean_accepted": float(acc.float().mean()), "rejected_sampled": rejected}
 
 
 def floor_bytes(case: Case, inp: Inputs, rejected_sampled: int) -> tuple[int, int]:
     """(bytes of logits read once, extra bytes of the unavoidable second reads).
 
-    Read once: target logits, plus draft logits when given. Second reads: draft logits only,
-    one target row and one draft row per sampled request that rejected a draft.
+    Read once: target logits, plus draft logits / probs when given. Second reads (draft
+    distributions only): one target row and one draft row per sampled request that rejected
+    a draft.
     """
     elt = inp.logits.element_size()
     once = inp.logits.numel() * elt
     extra = 0
-    if inp.draft_logits is not None:
-        once += inp.draft_logits.numel() * inp.draft_logits.element_size()
-        extra = rejected_sampled * case.vocab * 2 * elt
+    draft = inp.draft_logits if inp.draft_logits is not None else inp.draft_probs
+    if draft is not None:
+        once += draft.numel() * draft.element_size()
+        extra = rejected_sampled * case.vocab * (elt + draft.element_size())
     return once, extra
 
 
@@ -434,6 +523,9 @@ def run_case(case: Case, cfg: Settings, bandwidth: float, protocol_vocab: bool) 
     variants = {"fused": measure_variant(case, inp, "fused", cfg)}
     if cfg.unfused:
         variants["unfused"] = measure_variant(case, inp, "unfused", cfg)
+    baseline = logprob_baseline(case, inp)
+    if baseline is not None:  # (the same rows, in the same run)
+        variants["baseline"] = measure_plain(baseline, cfg)
     outputs = [v.pop("output", None) for v in variants.values()]
     stats = acceptance(case, inp, next((o for o in outputs if o is not None), None))
     once, extra = floor_bytes(case, inp, stats["rejected_sampled"])
@@ -465,9 +557,14 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
              for b in args.batch_sizes]
     cases += [Case("sample", None, t, b, 0, args.sample_vocab, args.dtype)
               for t in args.temperatures for b in args.sample_batch_sizes]
-    if args.block:
-        cases += [Case("verify", "draft_logits", t, b, args.k, args.vocab, args.dtype,
-                       method="block") for t in args.temperatures for b in args.batch_sizes]
+    if args.block:  # block beside token-level, draft logits and draft probabilities
+        cases += [Case("verify", "draft_probs", t, b, args.k, args.vocab, args.dtype)
+                  for t in args.temperatures for b in args.batch_sizes]
+        cases += [Case("verify", draft, t, b, args.k, args.vocab, args.dtype, method="block")
+                  for draft in ("draft_logits", "draft_probs") for t in args.temperatures
+                  for b in args.batch_sizes]
+    cases += [Case("verify", "onehot", "1.0", b, args.k, args.vocab, args.dtype, counts=c)
+              for c in args.draft_counts for b in args.batch_sizes]
     cases += [Case("verify", "onehot", "", b, args.k, args.vocab, args.dtype, f)
               for f in args.options for b in args.batch_sizes]
     cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
@@ -484,11 +581,11 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def format_table(results: list[dict]) -> str:
     """A plain-text table: one line per case, times in us, ratios, memory and targets."""
-    head = ("case", "floor", "eager", "graph", "x floor", "unf eager", "unf graph", "speedup",
-            "MiB", "acc", "targets")
+    head = ("case", "floor", "eager", "graph", "host", "x floor", "unf eager", "unf graph",
+            "speedup", "base graph", "MiB", "acc", "targets")
     rows = [head]
     for r in results:
-        f, u = r["fused"], r.get("unfused", {})
+        f, u, b = r["fused"], r.get("unfused", {}), r.get("baseline", {})
         if f["error"]:
             verdict = "ERROR"
         elif r["targets"]:
@@ -496,9 +593,10 @@ def format_table(results: list[dict]) -> str:
         else:
             verdict = ""
         rows.append((r["case"], _fmt(r["floor_target_us"]), _fmt(f["eager_us"]),
-                     _fmt(f["graph_us"]), _fmt(r["ratio_to_floor"], ".2f"),
-                     _fmt(u.get("eager_us")), _fmt(u.get("graph_us")),
-                     _fmt(r["speedup_vs_unfused"], ".2f"), _fmt(f["peak_temp_mib"], ".3f"),
+                     _fmt(f["graph_us"]), _fmt(f.get("host_us")),
+                     _fmt(r["ratio_to_floor"], ".2f"), _fmt(u.get("eager_us")),
+                     _fmt(u.get("graph_us")), _fmt(r["speedup_vs_unfused"], ".2f"),
+                     _fmt(best_us(b) if b else None), _fmt(f["peak_temp_mib"], ".3f"),
                      _fmt(r["mean_accepted"], ".2f"), verdict))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -511,7 +609,7 @@ def format_problems(results: list[dict]) -> str:
     """Errors, failed graph captures and missed targets, one line each ('' when none)."""
     lines = []
     for r in results:
-        for variant in ("fused", "unfused"):
+        for variant in ("fused", "unfused", "baseline"):
             v = r.get(variant)
             if v is None:
                 continue
@@ -665,6 +763,15 @@ def _temp_list(text: str) -> list[str]:
     return labels
 
 
+def _counts_list(text: str) -> list[str]:
+    labels = [x for x in text.split(",") if x]
+    bad = [x for x in labels if x not in ("varying", "device")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown draft-count kind {bad[0]!r}; choose from "
+                                         "varying, device")
+    return labels
+
+
 def _option_list(text: str) -> list[str]:
     labels = [] if text == "none" else [x for x in text.split(",") if x]
     bad = [x for x in labels if x not in OPTION_CASES]
@@ -692,7 +799,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="T,T,...", help="temperatures; 'mix' = alternating 0 and 1 "
                    "(default 0.7,1.0,mix)")
     p.add_argument("--block", action="store_true",
-                   help="also block verification (Sun et al. 2024) with draft logits")
+                   help="also block verification (Sun et al. 2024) with draft logits and draft "
+                   "probabilities, and token-level with draft probabilities")
+    p.add_argument("--draft-counts", type=_counts_list, default=[], metavar="KIND,...",
+                   help="extra one-hot T=1 cases by draft counts: 'varying' (request i drafts "
+                   "i mod (K+1)), 'device' (num_draft_tokens a device tensor with "
+                   "max_num_draft_tokens=K)")
     p.add_argument("--options", type=_option_list, default=list(OPTION_CASES),
                    metavar="LABEL,...", help="option cases (one-hot verify and sample): "
                    + ", ".join(OPTION_CASES) + " (default: all; 'none' for none)")
