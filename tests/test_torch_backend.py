@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, reference
+from specsample import SamplingBatch, SamplingParams, reference, torch_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 VOCABS = [2, 3, 5, 8, 33, 256, 1000, 3000]
@@ -257,3 +257,21 @@ def test_top_n_logprobs_ties_lower_id_first_without_sort():
     for n in (1, 5, 20, 300):
         vals, ids = top_n_logprobs(lp, n)
         assert torch.equal(ids, want_i[:, :n]) and torch.equal(vals, want_v[:, :n]), n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_n_logprobs_matches_a_stable_sort(seed):
+    """Top-n by (value, lower id) against a full stable sort, with ties at and across the
+    boundary (few distinct values), -0.0 next to 0.0, and n up to V + 2."""
+    g = torch.Generator().manual_seed(seed)
+    v = 40
+    rank = torch.randint(-3, 3, (64, v), generator=g).float() * 0.5
+    rank[rank == 0] = torch.where(torch.rand((rank == 0).sum(), generator=g) < 0.5, -0.0, 0.0)
+    lp = rank - 7.0
+    for n in (1, 3, 7, v - 1, v, v + 2):
+        vals, ids = torch_backend.top_n_logprobs(lp, n, rank)
+        key = [sorted(range(v), key=lambda j: (-float(row[j]), j)) for row in rank]
+        want = torch.tensor([k[:n] + [-1] * max(0, n - v) for k in key])
+        assert torch.equal(ids, want), n
+        got = torch.where(want >= 0, lp.gather(1, want.clamp_min(0)), -math.inf)
+        assert torch.equal(vals, got)

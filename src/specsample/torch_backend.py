@@ -252,22 +252,30 @@ def top_n_logprobs(lp: torch.Tensor, n: int,
     exact where ``lp = rank - log-normaliser`` may round distinct values together), and their
     ids, ordered by rank value then lower id first (ties), padded with -inf / -1 when n > V.
 
-    No sort of the row and no host synchronisation: one ``torch.topk``; the entries tied with
-    the n-th value are then taken lowest ids first (a second top-k over the tied ids), and the
-    n chosen entries are ordered by (value, id) with two small stable sorts.
+    No sort of the row and no host synchronisation beyond one flag: one ``torch.topk`` of
+    n + 1 values; when the (n+1)-th value is below the n-th in every row (no tie crosses the
+    boundary) those n are the answer, else the entries tied with the n-th value are taken
+    lowest ids first (a second top-k over the tied ids). The n chosen entries are ordered by
+    (value, id) with two small stable sorts.
     """
-    lp0 = (lp if rank is None else rank).float() + 0.0  # -0.0 ties with 0.0
-    r, v = lp0.shape
+    ranked = lp if rank is None else rank
+    r, v = ranked.shape
     k = min(n, v)
-    vals, ids = torch.topk(lp0, k, dim=-1)
-    last = vals[:, -1:] + 0.0
-    n_above = (lp0 > last).sum(-1, keepdim=True)  # these are all among the top-k
-    col = torch.arange(k, device=lp.device)[None, :]
-    tied = torch.topk(torch.where(lp0 == last, -torch.arange(v, device=lp.device, dtype=lp.dtype),
-                                  -math.inf), k, dim=-1).indices  # lowest tied ids first
-    ids = torch.where(col < n_above, ids, tied.gather(1, (col - n_above).clamp_min(0)))
+    vals, ids = torch.topk(ranked, min(k + 1, v), dim=-1)
+    if k < v and not bool((vals[:, k] < vals[:, k - 1]).all()):
+        # A tie group crosses the boundary (or a NaN row): lowest tied ids first.
+        lp0 = ranked.float() + 0.0  # -0.0 ties with 0.0
+        last = vals[:, k - 1:k].float() + 0.0
+        n_above = (lp0 > last).sum(-1, keepdim=True)  # these are all among the top-k
+        col = torch.arange(k, device=lp.device)[None, :]
+        tied = torch.topk(torch.where(lp0 == last, -torch.arange(
+            v, device=lp.device, dtype=lp0.dtype), -math.inf), k, dim=-1).indices
+        ids = torch.where(col < n_above, ids[:, :k], tied.gather(1, (col - n_above).clamp_min(0)))
+    else:
+        ids = ids[:, :k]
     ids = ids.gather(1, torch.sort(ids, dim=-1).indices)  # (stable) by id, then by value:
-    order = torch.sort(lp0.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    order = torch.sort(ranked.gather(1, ids).float() + 0.0, dim=-1, descending=True,
+                       stable=True).indices
     ids = ids.gather(1, order)
     vals = lp.gather(1, ids)
     if n > k:  # more logprobs asked than V: pad with -inf / -1
