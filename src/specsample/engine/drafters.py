@@ -13,13 +13,24 @@
   ``verify()`` as ``draft_logits``, or its filtered distributions as ``draft_probs``.
 * :class:`NoDrafter` (``"none"``): no drafts; the engine decodes through ``sample()``.
 
-A drafter sees one request at a time through :meth:`Drafter.propose`.
+Tree drafters (``--tree``; verified by ``specsample.verify_tree`` with ``draft_probs=None``, so
+each tree is a deterministic function of the context, chosen without the target's randomness):
+
+* :class:`NgramTreeDrafter` (``"ngram"``): every earlier occurrence of the context's suffix
+  (each end position once, with its longest matching suffix), each continuation up to the
+  speculative depth, merged into a trie; the node budget goes to the best-supported nodes.
+* :class:`ModelTreeDrafter` (``"model"``): best-first expansion of the draft model's top-b
+  tokens per node by cumulative draft log-probability, one draft forward per level.
+
+A drafter sees one request at a time through :meth:`Drafter.propose` (chains) or
+:meth:`Drafter.propose_tree` (trees).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,6 +71,46 @@ class Draft:
         t = max(temperature, 2.0**-126) if temperature > 0 else 1.0  # as the batch clamps T
         z = self.logits.float()
         return torch.softmax((z - z.amax(-1, keepdim=True)) / t, dim=-1)
+
+
+@dataclass
+class TreeDraft:
+    """The token tree of one request for one step (verify_tree's layout for one request).
+
+    Attributes:
+        token_ids: the tokens of nodes 1..m (node 0, the root, is the last committed token).
+        parents: each node's parent, a node number in ``[0, own number - 1]`` (0: the root),
+            so nodes are numbered in topological order; siblings hold distinct tokens.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of nodes 1..m (children of the root: 1)."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return depth[1:]
+
+    def check(self, max_depth: int, max_nodes: int) -> None:
+        """Raise RuntimeError when the tree is malformed or exceeds ``max_depth`` /
+        ``max_nodes`` (a drafter bug: the message names what is wrong)."""
+        m = len(self.token_ids)
+        if len(self.parents) != m:
+            raise RuntimeError(f"tree draft with {m} tokens but {len(self.parents)} parents")
+        if m > max_nodes:
+            raise RuntimeError(f"tree draft of {m} nodes, more than the budget {max_nodes}")
+        seen = set()
+        for n, (p, t) in enumerate(zip(self.parents, self.token_ids, strict=True), start=1):
+            if not 0 <= p < n:
+                raise RuntimeError(f"tree draft node {n} has parent {p} (must be in [0, {n - 1}])")
+            if (p, t) in seen:
+                raise RuntimeError(f"tree draft: two children of node {p} hold token {t}")
+            seen.add((p, t))
+        if m and max(self.depths) > max_depth:
+            raise RuntimeError(f"tree draft of depth {max(self.depths)}, deeper than {max_depth}")
 
 
 @dataclass
@@ -106,6 +157,11 @@ class Drafter:
     def propose(self, ctx: DraftContext) -> Draft:
         """Return up to ``ctx.k`` drafts for request ``ctx.index``."""
         raise NotImplementedError
+
+    def propose_tree(self, ctx: DraftContext, max_nodes: int) -> TreeDraft:
+        """Return a token tree of depth <= ``ctx.k`` and at most ``max_nodes`` nodes for
+        request ``ctx.index`` (tree drafters only)."""
+        raise NotImplementedError(f"drafter {self.name!r} does not propose trees")
 
 
 class NoDrafter(Drafter):
@@ -187,14 +243,21 @@ class ModelDrafter(Drafter):
         self.caches = [ModelCache(self.model) for _ in range(num_requests)]
         self._known = [0] * num_requests
 
-    def propose(self, ctx: DraftContext) -> Draft:
+    def _feed_context(self, ctx: DraftContext) -> tuple[ModelCache, torch.Tensor]:
+        """Bring the request's draft cache to the committed sequence (keeping the longest
+        prefix that agrees with it); returns the cache and the drafter's logits [V'] for
+        the token at position ``len(ctx.tokens)``."""
         cache = self.caches[ctx.index]
         tokens = ctx.tokens
         keep = cache.common_prefix(tokens, self._known[ctx.index])
         keep = min(keep, len(tokens) - 1)  # the last committed token is always fed
         cache.crop(keep)
         self._known[ctx.index] = len(tokens)
-        logits = cache.forward(list(tokens[keep:]), logits_to_keep=1)[-1]
+        return cache, cache.forward(list(tokens[keep:]), logits_to_keep=1)[-1]
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        cache, logits = self._feed_context(ctx)
+        tokens = ctx.tokens
         filters = self._filters(ctx, logits.device)
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
@@ -244,24 +307,212 @@ class ModelDrafter(Drafter):
                                        key(position), token_stream, tile_stream)[0])
 
 
+def ngram_tree(tokens: Sequence[int], depth: int, max_nodes: int, max_n: int, min_n: int, *,
+               branching: int | None = None, max_matches: int = 64) -> TreeDraft:
+    """Prompt lookup as a token tree: the continuations of every earlier occurrence of the
+    context's suffix, merged into a trie, pruned to ``max_nodes`` nodes.
+
+    Each earlier end position e of a suffix of ``tokens`` (suffix lengths ``max_n`` down to
+    ``min_n``; e <= len(tokens) - 1) is one match, with its longest matching suffix length n;
+    its continuation is ``tokens[e : e + depth]``. The ``max_matches`` best matches (longest n
+    first, then most recent) are merged into a trie; a trie node's support is (the longest n
+    of the matches through it, how many matches of that n pass through it, the most recent of
+    them). Nodes are taken best-supported first (a node always after its parent: support never
+    grows along a path), at most ``branching`` children per node (None: no limit), until
+    ``max_nodes`` nodes. Numbered in the order taken, so parents come first; siblings are
+    distinct (a trie). With a single match this is :func:`ngram_lookup`'s chain.
+
+    Returns:
+        :class:`TreeDraft` (empty when nothing matches, e.g. a sequence shorter than
+        ``min_n + 1``, or ``depth`` / ``max_nodes`` < 1).
+    """
+    length = len(tokens)
+    if depth <= 0 or max_nodes <= 0 or length < min_n + 1:
+        return TreeDraft()
+    arr = np.asarray(tokens, dtype=np.int64)
+    found: dict[int, int] = {}  # end position -> longest matching suffix length
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+        for s in np.flatnonzero((windows == arr[length - n:]).all(axis=1)).tolist():
+            found.setdefault(s + n, n)
+    matches = sorted(found.items(), key=lambda e: (-e[1], -e[0]))[:max_matches]
+    # Trie node i: children {token: id}, support [n, count, most recent end], depth, token,
+    # parent (node 0 is the root).
+    children: list[dict[int, int]] = [{}]
+    support: list[list[int]] = [[0, 0, 0]]
+    info: list[tuple[int, int, int]] = [(0, -1, -1)]
+    for end, n in matches:  # longest n first, then most recent: the first sets n and recency
+        cur = 0
+        for d, t in enumerate(arr[end: end + depth].tolist(), start=1):
+            nxt = children[cur].get(t)
+            if nxt is None:
+                nxt = len(info)
+                children[cur][t] = nxt
+                children.append({})
+                support.append([n, 0, end])
+                info.append((d, t, cur))
+            if support[nxt][0] == n:
+                support[nxt][1] += 1
+            cur = nxt
+
+    def key(i: int) -> tuple:
+        n, count, recent = support[i]
+        return (-n, -count, -recent, info[i][0], info[i][1], i)
+
+    heap = [key(c) for c in children[0].values()]
+    heapq.heapify(heap)
+    number = {0: 0}
+    kids = [0] * len(info)
+    tree = TreeDraft()
+    while heap and len(tree.token_ids) < max_nodes:
+        i = heapq.heappop(heap)[-1]
+        parent = info[i][2]
+        if branching is not None and kids[parent] >= branching:
+            continue
+        kids[parent] += 1
+        tree.token_ids.append(info[i][1])
+        tree.parents.append(number[parent])
+        number[i] = len(tree.token_ids)
+        for c in children[i].values():
+            heapq.heappush(heap, key(c))
+    return tree
+
+
+class NgramTreeDrafter(NgramDrafter):
+    """Prompt lookup proposing token trees (:func:`ngram_tree`); ``--tree --drafter ngram``.
+
+    Args:
+        max_n, min_n: suffix lengths (as :class:`NgramDrafter`).
+        branching: the most children of one node (None: no limit).
+
+    Raises:
+        ValueError: bad suffix lengths, ``branching < 1``.
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, branching: int | None = None) -> None:
+        super().__init__(max_n, min_n)
+        if branching is not None and branching < 1:
+            raise ValueError(f"branching must be >= 1, got {branching}")
+        self.branching = branching
+
+    def propose_tree(self, ctx: DraftContext, max_nodes: int) -> TreeDraft:
+        return ngram_tree(ctx.tokens, ctx.k, max_nodes, self.max_n, self.min_n,
+                          branching=self.branching)
+
+
+@dataclass
+class _Candidate:
+    score: float     # cumulative draft log-probability of the root-to-node path
+    depth: int
+    token: int
+    parent: int      # index of the parent candidate, -1 for a child of the root
+
+
+class ModelTreeDrafter(ModelDrafter):
+    """A draft model proposing token trees: best-first top-b expansion; ``--tree --drafter
+    model``.
+
+    The root's top-``branching`` tokens by draft logit are the first candidates, scored by
+    their draft log-probability (log_softmax of the logits / temperature; temperature 1 for
+    greedy requests). Each round, every candidate among the current best ``max_nodes`` (by
+    cumulative log-probability, shallower first on ties) that has not been expanded yet and
+    is shallower than the depth k is expanded: one draft forward for all of them (a tree
+    forward over the drafter's cache), adding each one's top-``branching`` children. After at
+    most k - 1 rounds the best ``max_nodes`` candidates are the tree (a child never ranks
+    above its parent). The tree depends only on the context and the draft model, never on
+    any random draw, so verify_tree checks it with ``draft_probs=None``. With
+    ``branching=1`` and ``max_nodes = k`` it is the drafter's greedy chain.
+
+    Args:
+        model: the draft transformers causal LM (V' <= the target's V).
+        branching: b, the most children of one node (top-b tokens).
+
+    Raises:
+        ValueError: ``branching < 1``.
+    """
+
+    gives_logits = False  # trees are deterministic: verified without draft distributions
+
+    def __init__(self, model: Any, branching: int = 4) -> None:
+        super().__init__(model)
+        if branching < 1:
+            raise ValueError(f"branching must be >= 1, got {branching}")
+        self.branching = branching
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        raise NotImplementedError("ModelTreeDrafter proposes trees (propose_tree)")
+
+    def propose_tree(self, ctx: DraftContext, max_nodes: int) -> TreeDraft:
+        cache, logits = self._feed_context(ctx)
+        base = len(ctx.tokens)
+        t = ctx.temperature if ctx.temperature > 0 else 1.0
+        pool: list[_Candidate] = []
+
+        def expand(row: torch.Tensor, parent: int, depth: int, score: float) -> None:
+            logp = torch.log_softmax(row.double() / t, dim=-1)
+            vals, ids = torch.topk(logp, min(self.branching, logp.shape[-1]))
+            pool.extend(_Candidate(score + float(v), depth + 1, int(i), parent)
+                        for v, i in zip(vals.tolist(), ids.tolist(), strict=True))
+
+        def best() -> list[int]:
+            order = sorted(range(len(pool)), key=lambda i: (-pool[i].score, pool[i].depth, i))
+            return order[:max_nodes]
+
+        if ctx.k >= 1 and max_nodes >= 1:
+            expand(logits, -1, 0, 0.0)
+        entry: dict[int, int] = {}  # candidate -> its entry in the draft cache's tree
+        try:
+            for _ in range(ctx.k - 1):
+                todo = sorted(i for i in best() if i not in entry and pool[i].depth < ctx.k)
+                if not todo:
+                    break
+                parents = [entry.get(pool[i].parent, -1) for i in todo]
+                rows = cache.forward_tree([pool[i].token for i in todo], parents,
+                                          tree_start=base)
+                for r, i in enumerate(todo):
+                    entry[i] = len(entry)
+                    expand(rows[r], i, pool[i].depth, pool[i].score)
+        finally:
+            cache.crop(base)  # the committed sequence only (the tree's entries are dropped)
+        chosen = sorted(best(), key=lambda i: (pool[i].depth, i))
+        number = {-1: 0}
+        tree = TreeDraft()
+        for i in chosen:
+            tree.token_ids.append(pool[i].token)
+            tree.parents.append(number[pool[i].parent])
+            number[i] = len(tree.token_ids)
+        return tree
+
+
 def make_drafter(name: str, *, draft_model: Any = None, ngram_max: int = 3,
-                 ngram_min: int = 1) -> Drafter:
+                 ngram_min: int = 1, tree: bool = False,
+                 tree_branching: int | None = None) -> Drafter:
     """Build a drafter by name.
 
     Args:
         name: ``"ngram"``, ``"model"`` or ``"none"``.
         draft_model: the transformers model for ``"model"`` (required there).
         ngram_max, ngram_min: suffix lengths for ``"ngram"``.
+        tree: a tree drafter (:class:`NgramTreeDrafter` / :class:`ModelTreeDrafter`).
+        tree_branching: the most children of one tree node (None: no limit for ``ngram``,
+            4 for ``model``).
 
     Raises:
-        ValueError: an unknown name, or ``"model"`` without a draft model.
+        ValueError: an unknown name, ``"model"`` without a draft model, ``tree`` with
+            ``"none"``, or ``tree_branching < 1``.
     """
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    if name == "model" and draft_model is None:
+        raise ValueError("drafter 'model' needs a draft model (--draft-model PATH)")
+    if tree:
+        if name == "none":
+            raise ValueError("tree speculation needs a drafter ('ngram' or 'model'), not 'none'")
+        if name == "ngram":
+            return NgramTreeDrafter(ngram_max, ngram_min, tree_branching)
+        return ModelTreeDrafter(draft_model, 4 if tree_branching is None else tree_branching)
     if name == "ngram":
         return NgramDrafter(ngram_max, ngram_min)
     if name == "none":
         return NoDrafter()
-    if name == "model":
-        if draft_model is None:
-            raise ValueError("drafter 'model' needs a draft model (--draft-model PATH)")
-        return ModelDrafter(draft_model)
-    raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    return ModelDrafter(draft_model)

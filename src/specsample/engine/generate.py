@@ -13,6 +13,16 @@ generated ids) and absolute position ``pos = len(tokens)`` of the next token:
    ``max_new_tokens``, and roll the target cache back to the accepted prefix (crop
    ``k_i - accepted`` entries).
 
+Tree speculation (``tree=True``, ``specsample generate --tree``): step 1 drafts a token tree
+per request (depth <= k, at most ``tree_nodes`` nodes; :class:`~specsample.engine.drafters.
+TreeDraft`), step 2 feeds the root ``tokens[-1]`` and every node in one target forward with
+position ids ``pos - 1 + depth`` and a tree attention mask (each node sees the committed
+prefix, its ancestors and itself: :meth:`ModelCache.forward_tree`), step 3 is one
+``specsample.verify_tree()`` call (``draft_probs=None``: the trees are deterministic functions
+of the context), and step 4 compacts the target cache to the committed prefix plus the
+accepted path (:meth:`ModelCache.keep_tree_path`); the correction / bonus token is fed at the
+next step, as with chains.
+
 Each request has its own KV cache (batch size 1 per forward), so prompts of any lengths mix
 without padding; verification and sampling are batched over all requests, each routed by its
 own ``SamplingParams`` inside the core library (temperature 0 greedy, > 0 sampled).
@@ -36,10 +46,13 @@ from typing import Any
 import torch
 
 from .cache import ModelCache
-from .drafters import Draft, DraftContext, Drafter, make_drafter
+from .drafters import Draft, DraftContext, Drafter, TreeDraft, make_drafter
 from .stats import GenerationStats, RequestStats, paths_delta
 
 METHODS = ("token", "block")
+
+#: Default node budget of a tree (``tree_nodes``, ``--tree-nodes``).
+DEFAULT_TREE_NODES = 16
 
 #: ``on_tokens(request_index, new_token_ids)``: called after each step with the ids just
 #: committed for a request.
@@ -128,16 +141,26 @@ class SpeculativeEngine:
             ``LoadedModel``).
         eos_token_ids: ids that end a request (default: from the target's generation config).
         ngram_max, ngram_min: prompt-lookup suffix lengths.
+        tree: draft token trees of depth <= ``num_speculative_tokens`` and verify them with
+            ``specsample.verify_tree`` (one target forward per request and step); needs the
+            ``ngram`` or ``model`` drafter (or a drafter with ``propose_tree``) and method
+            ``"token"``.
+        tree_nodes: the node budget of a tree (>= 1; root not counted).
+        tree_branching: the most children of one tree node (None: the drafter's default).
 
     Raises:
         ValueError: an unknown drafter or method, ``num_speculative_tokens < 0``, a draft model
-            whose vocabulary is wider than the target's.
+            whose vocabulary is wider than the target's; with ``tree``: method ``"block"``,
+            the ``none`` drafter or one without trees, ``tree_nodes < 1``,
+            ``tree_branching < 1``.
     """
 
     def __init__(self, target: Any, drafter: Drafter | str = "ngram", *,
                  num_speculative_tokens: int = 4, method: str = "token",
                  draft_model: Any = None, eos_token_ids: Sequence[int] | None = None,
-                 ngram_max: int = 3, ngram_min: int = 1) -> None:
+                 ngram_max: int = 3, ngram_min: int = 1, tree: bool = False,
+                 tree_nodes: int = DEFAULT_TREE_NODES,
+                 tree_branching: int | None = None) -> None:
         from .models import LoadedModel
 
         if isinstance(target, LoadedModel):
@@ -154,13 +177,26 @@ class SpeculativeEngine:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose 'token' or 'block'")
+        if tree:
+            if method != "token":
+                raise ValueError(f"tree speculation verifies with verify_tree (token-level); "
+                                 f"method {method!r} is not available with trees")
+            if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or \
+                    tree_nodes < 1:
+                raise ValueError(f"tree_nodes must be an int >= 1, got {tree_nodes!r}")
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, draft_model=draft_model, ngram_max=ngram_max,
-                                   ngram_min=ngram_min)
+                                   ngram_min=ngram_min, tree=tree, tree_branching=tree_branching)
+        elif tree and (not drafter.speculative
+                       or type(drafter).propose_tree is Drafter.propose_tree):
+            raise ValueError(f"tree speculation needs a drafter that proposes trees "
+                             f"(propose_tree); {type(drafter).__name__} does not")
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens
         self.method = method
+        self.tree = bool(tree)
+        self.tree_nodes = tree_nodes
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         draft_vocab = getattr(drafter, "vocab_size", None)
         if draft_vocab is not None and draft_vocab > self.vocab_size:
@@ -232,7 +268,8 @@ class SpeculativeEngine:
             requests.append(_Request(i, prompt, p, user_seeded, lo, hi, ModelCache(self.target)))
 
         stats = GenerationStats(drafter=self.drafter.name, method=self.method,
-                                num_speculative_tokens=self.k if self.drafter.speculative else 0)
+                                num_speculative_tokens=self.k if self.drafter.speculative else 0,
+                                tree_nodes=self.tree_nodes if self.tree else 0)
         paths_before = core.paths.counts()
         self.drafter.start(len(requests))
 
@@ -252,7 +289,8 @@ class SpeculativeEngine:
                     active = [r for r in requests if r.finish_reason is None]
                     if not active:
                         break
-                    batch = self._step(core, active, batch, max_new_tokens, on_tokens)
+                    step = self._tree_step if self.tree else self._step
+                    batch = step(core, active, batch, max_new_tokens, on_tokens)
                     stats.steps += 1
         except KeyboardInterrupt:
             interrupted = True
@@ -352,30 +390,40 @@ class SpeculativeEngine:
         self._sampler_s += time.perf_counter() - started
 
         for req, draft, acc, new in zip(active, drafts, accepted, emitted, strict=True):
-            k = len(draft.token_ids)
-            req.stats.steps += 1
-            req.stats.drafted += k
             # The cache now holds tokens[:-1] + [tokens[-1]] + drafts; keep the accepted ones.
             req.cache.crop(len(req.prompt) + len(req.generated) + acc)
-            committed = []
-            for t in new:
-                committed.append(t)
-                req.generated.append(t)
-                if t in self.eos_token_ids:
-                    req.finish_reason = "stop"
-                    break
-                if len(req.generated) >= max_new_tokens:
-                    req.finish_reason = "length"
-                    break
-                if self.max_positions is not None and \
-                        len(req.prompt) + len(req.generated) >= self.max_positions:
-                    req.finish_reason = "length"
-                    break
-            # Accepted drafts that were emitted (none past an EOS or the token budget).
-            req.stats.accepted += min(acc, len(committed))
-            req.stats.emitted += len(committed)
-            if on_tokens is not None and committed:
-                on_tokens(req.index, committed)
+            self._commit(req, len(draft.token_ids), acc, new, max_new_tokens, on_tokens)
+        return self._still_active(active, batch)
+
+    def _commit(self, req: _Request, drafted: int, acc: int, new: list[int],
+                max_new_tokens: int, on_tokens: TokenCallback | None) -> None:
+        """Commit a request's emitted tokens ``new`` (``acc`` accepted drafts, then the
+        correction / bonus token), stopping at EOS or the length limits, and count them."""
+        req.stats.steps += 1
+        req.stats.drafted += drafted
+        committed = []
+        for t in new:
+            committed.append(t)
+            req.generated.append(t)
+            if t in self.eos_token_ids:
+                req.finish_reason = "stop"
+                break
+            if len(req.generated) >= max_new_tokens:
+                req.finish_reason = "length"
+                break
+            if self.max_positions is not None and \
+                    len(req.prompt) + len(req.generated) >= self.max_positions:
+                req.finish_reason = "length"
+                break
+        # Accepted drafts that were emitted (none past an EOS or the token budget).
+        req.stats.accepted += min(acc, len(committed))
+        req.stats.emitted += len(committed)
+        if on_tokens is not None and committed:
+            on_tokens(req.index, committed)
+
+    @staticmethod
+    def _still_active(active: list[_Request], batch: Any) -> Any:
+        """``batch`` restricted to the requests of ``active`` still unfinished (None: none)."""
         still = [j for j, req in enumerate(active) if req.finish_reason is None]
         if not still:
             return None
@@ -383,6 +431,57 @@ class SpeculativeEngine:
             batch = batch.select(still)
         batch.refresh_min_tokens()  # (the tokens were read above: this sync costs little)
         return batch
+
+    def _draft_tree(self, req: _Request, depth: int) -> TreeDraft:
+        if depth == 0:
+            return TreeDraft()
+        tree = self.drafter.propose_tree(DraftContext(
+            index=req.index, tokens=req.tokens, k=depth, temperature=req.params.temperature,
+            seed_lo=req.seed_lo, seed_hi=req.seed_hi, params=req.params), self.tree_nodes)
+        tree.check(depth, self.tree_nodes)
+        return tree
+
+    def _tree_step(self, core: Any, active: list[_Request], batch: Any, max_new_tokens: int,
+                   on_tokens: TokenCallback | None) -> Any:
+        """One tree step for ``active`` (module docstring; as :meth:`_step`, with one
+        ``verify_tree()`` call): returns the batch of the requests still unfinished, or None."""
+        trees = [self._draft_tree(req, self._num_drafts(req, max_new_tokens)) for req in active]
+        rows = []
+        for req, tree in zip(active, trees, strict=True):
+            # The cache holds tokens[:-1]: the root tokens[-1] is tree entry 0, node n entry n.
+            rows.append(req.cache.forward_tree([req.tokens[-1], *tree.token_ids],
+                                               [-1, *tree.parents],
+                                               tree_start=len(req.tokens) - 1))
+        target_logits = torch.cat(rows, dim=0)  # [N + sum m_i, V] float32
+        dev = target_logits.device
+        positions = torch.tensor([len(r.prompt) + len(r.generated) for r in active],
+                                 dtype=torch.int64, device=dev)
+        if batch is None:
+            batch = self._batch(core, active, dev)
+        if dev.type == "cuda":  # (the sampler's time, not the forward's)
+            torch.cuda.synchronize(dev)
+        started = time.perf_counter()
+        out = core.verify_tree(
+            target_logits, [t for tree in trees for t in tree.token_ids],
+            [p for tree in trees for p in tree.parents], [len(t.token_ids) for t in trees],
+            batch, positions=positions)
+        accepted = out.num_accepted.tolist()
+        ids = out.token_ids.tolist()
+        paths = out.accepted_node_ids.tolist()
+        # The emitted tokens as verify() would give them (accepted path, then the correction
+        # or bonus token): the batch's append() takes a VerifyOutput.
+        batch.append(core.VerifyOutput(token_ids=out.token_ids, num_accepted=out.num_accepted,
+                                       logprobs=None, logprob_token_ids=None,
+                                       invalid=out.invalid))
+        self._sampler_s += time.perf_counter() - started
+
+        for j, (req, tree) in enumerate(zip(active, trees, strict=True)):
+            acc = accepted[j]
+            # Keep the committed prefix, the root and the accepted nodes (tree entries 0, n..).
+            req.cache.keep_tree_path([0, *paths[j][:acc]])
+            self._commit(req, len(tree.token_ids), acc, ids[j][: acc + 1], max_new_tokens,
+                         on_tokens)
+        return self._still_active(active, batch)
 
 
 def generate(target: Any, prompts: Sequence[Sequence[int]], params: Any = None, *,

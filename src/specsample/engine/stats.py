@@ -59,6 +59,10 @@ class GenerationStats:
             their outputs and ``batch.append`` included; on CUDA the device is synchronised
             first, so the forward's kernels are not counted).
         paths: ``specsample.paths.counts()`` delta over the call.
+        drafter, method, num_speculative_tokens: the engine's settings (k is the tree's
+            depth with trees).
+        tree_nodes: the node budget of a tree with tree speculation (``drafted`` then counts
+            tree nodes, so the acceptance rate is accepted / nodes), 0 with chains.
     """
 
     requests: list[RequestStats] = field(default_factory=list)
@@ -70,6 +74,7 @@ class GenerationStats:
     drafter: str = ""
     method: str = ""
     num_speculative_tokens: int = 0
+    tree_nodes: int = 0
 
     @property
     def total(self) -> RequestStats:
@@ -96,6 +101,7 @@ class GenerationStats:
             "drafter": self.drafter,
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "tree_nodes": self.tree_nodes,
             "steps": self.steps,
             "request_steps": total.steps,
             "draft_tokens": total.drafted,
