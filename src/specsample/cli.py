@@ -91,6 +91,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest suffix the n-gram drafter looks up (default 3)")
     s.add_argument("--ngram-min", type=int, default=1,
                    help="shortest suffix the n-gram drafter looks up (default 1)")
+    s.add_argument("--tree", action="store_true",
+                   help="tree speculation: draft a token tree of depth <= K per step (ngram: "
+                        "every suffix match merged into a trie; model: best-first top-b "
+                        "expansion) and verify it in one target forward with verify_tree")
+    s.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                   help="node budget of a tree with --tree (default 16)")
+    s.add_argument("--tree-branching", type=int, default=None, metavar="B",
+                   help="most children of a tree node with --tree (default: 4 for --drafter "
+                        "model, no limit for ngram)")
     o = p.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="also run without speculation; print the speed-up and whether the "
@@ -164,6 +173,7 @@ def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
     if args.draft_model is not None and args.drafter != "model":
         raise CLIError(f"--draft-model is only used with --drafter model, not --drafter "
                        f"{args.drafter}")
+    _validate_tree_args(args)
     if not args.prompt and not args.prompt_file:
         raise CLIError("give at least one --prompt TEXT (or --prompt-file PATH)")
     base = _sampling_params(args)
@@ -177,6 +187,27 @@ def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
             except ModelNotFoundError as exc:
                 raise CLIError(f"{option}: {exc}") from None
     return texts, base
+
+
+def _validate_tree_args(args: argparse.Namespace) -> None:
+    """The --tree options: a budget and branching >= 1, only with --tree, and --tree only
+    with a drafter that proposes trees and token-level verification (CLIError otherwise)."""
+    for option, value in (("--tree-nodes", args.tree_nodes),
+                          ("--tree-branching", args.tree_branching)):
+        if value is None:
+            continue
+        if not args.tree:
+            raise CLIError(f"{option} is only used with --tree")
+        if value < 1:
+            raise CLIError(f"{option} must be >= 1, got {value}")
+    if not args.tree:
+        return
+    if args.drafter == "none":
+        raise CLIError("--tree needs a drafter that proposes trees (--drafter ngram or model), "
+                       "not --drafter none")
+    if args.method != "token":
+        raise CLIError(f"--tree verifies token trees with verify_tree (token-level); "
+                       f"--method {args.method} is not available with --tree")
 
 
 def _quiet_transformers() -> None:
@@ -274,6 +305,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .engine import SpeculativeEngine, encode_prompt
+    from .engine.generate import DEFAULT_TREE_NODES
 
     console_err = Console(file=sys.stderr)  # bound now: _load hides sys.stderr while loading
     torch.set_num_threads(args.threads)
@@ -294,10 +326,13 @@ def run_generate(args: argparse.Namespace) -> int:
             seeds.append(int(torch.randint(0, 2**62, (), dtype=torch.int64).item()))
     params = [dataclasses.replace(base, seed=s) for s in seeds]
 
+    tree_nodes = DEFAULT_TREE_NODES if args.tree_nodes is None else args.tree_nodes
     engine = SpeculativeEngine(target, args.drafter,
                                num_speculative_tokens=args.num_speculative_tokens,
                                method=args.method, draft_model=draft,
-                               ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                               ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                               tree=args.tree, tree_nodes=tree_nodes,
+                               tree_branching=args.tree_branching)
     baseline_engine = SpeculativeEngine(target, "none") if args.compare else None
     if not args.no_warmup:  # one-time costs (first forward, allocator) out of the timings
         with console_err.status("warming up ..."):
@@ -381,8 +416,10 @@ def _print_report(report: dict, *, streamed: bool) -> None:
                           markup=False, highlight=False)
             console.print(out["text"], markup=False, highlight=False, soft_wrap=True)
     s = report["stats"]
-    table = Table(title=f"{report['model']}: drafter {s['drafter']}, k="
-                        f"{s['num_speculative_tokens']}, method {s['method']}",
+    shape = (f"tree of <= {s['tree_nodes']} nodes, depth <= {s['num_speculative_tokens']}"
+             if s.get("tree_nodes") else
+             f"k={s['num_speculative_tokens']}, method {s['method']}")
+    table = Table(title=f"{report['model']}: drafter {s['drafter']}, {shape}",
                   box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("request", "tokens", "steps", "drafted", "accepted", "accept rate",
                 "mean acc. len", "tok/s"):

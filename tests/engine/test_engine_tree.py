@@ -310,3 +310,83 @@ def test_tree_forward_needs_a_mask_taking_attention():
     with pytest.raises(ValueError, match="eager or sdpa attention"):
         cache.forward_tree([3], [-1], tree_start=2)
     assert len(cache) == 2
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class WordTokenizer:
+    """Token i is the word ``w{i}`` (enough of a tokenizer for ``specsample generate``)."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture
+def cli_with_tiny_model(monkeypatch, tmp_path):
+    """``specsample generate`` loading a tiny random Llama whatever --model says (a directory
+    with a config.json, so that the option checks pass)."""
+    from specsample import cli, engine
+    from specsample.engine import LoadedModel
+
+    (tmp_path / "config.json").write_text("{}")
+    model = tiny_llama(0)
+    monkeypatch.setattr(engine, "load_model",
+                        lambda *a, **k: LoadedModel(model, WordTokenizer(), "tiny"))
+    before = torch.get_num_threads()
+    yield lambda *argv: cli.main(["generate", "--model", str(tmp_path), *argv])
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_cli_tree_compare_is_identical(cli_with_tiny_model, capsys, temperature):
+    import json
+
+    prompt = " ".join(f"w{t}" for t in REPEAT)
+    assert cli_with_tiny_model("--prompt", prompt, "--prompt", "w1 w2 w3 w1 w2", "--tree",
+                               "--tree-nodes", "6", "--temperature", temperature, "--seed",
+                               "5", "--max-new-tokens", "20", "--compare", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is True
+    assert report["stats"]["tree_nodes"] == 6
+    assert report["stats"]["mean_accepted_length"] >= 1.0
+    assert report["stats"]["paths"]["torch.verify_tree.onehot"]["calls"] >= 1
+    # the human report names the tree
+    assert cli_with_tiny_model("--prompt", prompt, "--tree", "--max-new-tokens", "4",
+                               "--no-warmup") == 0
+    assert "tree of <= 16 nodes, depth <= 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tree", "--drafter", "none"], "--tree needs a drafter that proposes trees"),
+    (["--tree", "--method", "block"], "--method block is not available with --tree"),
+    (["--tree-nodes", "8"], "--tree-nodes is only used with --tree"),
+    (["--tree-branching", "2"], "--tree-branching is only used with --tree"),
+    (["--tree", "--tree-nodes", "0"], "--tree-nodes must be >= 1, got 0"),
+    (["--tree", "--tree-branching", "0"], "--tree-branching must be >= 1, got 0"),
+])
+def test_cli_tree_errors(monkeypatch, capsys, argv, message):
+    from specsample import cli, engine
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(engine, "load_model", load_model)
+    assert cli.main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_cli_tree_nodes_default_is_stated(capsys):
+    from specsample import cli
+    from specsample.engine.generate import DEFAULT_TREE_NODES
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert f"(default {DEFAULT_TREE_NODES})" in " ".join(capsys.readouterr().out.split())

@@ -2,7 +2,8 @@
 
 * :mod:`~specsample.engine.models`: loading (the embedded SmolLM2 GGUF, .gguf files, local
   directories; never the network).
-* :mod:`~specsample.engine.drafters`: ``ngram`` (prompt lookup), ``model`` and ``none``.
+* :mod:`~specsample.engine.drafters`: ``ngram`` (prompt lookup), ``model`` and ``none``;
+  their tree forms for ``tree=True`` (:class:`NgramTreeDrafter`, :class:`ModelTreeDrafter`).
 * :mod:`~specsample.engine.generate`: the step loop (:class:`SpeculativeEngine`).
 * :mod:`~specsample.engine.stats`: per-request and total statistics.
 """
@@ -13,10 +14,14 @@ from .drafters import (
     DraftContext,
     Drafter,
     ModelDrafter,
+    ModelTreeDrafter,
     NgramDrafter,
+    NgramTreeDrafter,
     NoDrafter,
+    TreeDraft,
     make_drafter,
     ngram_lookup,
+    ngram_tree,
 )
 from .generate import (
     GenerationInterrupted,
@@ -39,15 +44,19 @@ __all__ = [
     "LoadedModel",
     "ModelDrafter",
     "ModelNotFoundError",
+    "ModelTreeDrafter",
     "NgramDrafter",
+    "NgramTreeDrafter",
     "NoDrafter",
     "RequestOutput",
     "RequestStats",
     "SpeculativeEngine",
+    "TreeDraft",
     "default_gguf_path",
     "encode_prompt",
     "generate",
     "load_model",
     "make_drafter",
     "ngram_lookup",
+    "ngram_tree",
 ]
