@@ -416,7 +416,7 @@ def _print_report(report: dict, *, streamed: bool) -> None:
                           markup=False, highlight=False)
             console.print(out["text"], markup=False, highlight=False, soft_wrap=True)
     s = report["stats"]
-    shape = (f"tree of <= {s['tree_nodes']} nodes, depth <= {s['num_speculative_tokens']}"
+    shape = (f"tree of {s['tree_nodes']} nodes, depth {s['num_speculative_tokens']}"
              if s.get("tree_nodes") else
              f"k={s['num_speculative_tokens']}, method {s['method']}")
     table = Table(title=f"{report['model']}: drafter {s['drafter']}, {shape}",
