@@ -512,7 +512,9 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     """
     api._check_not_capturing(strict, "verify_tree")
     api._check_batch(batch)
-    api._refuse_uncapturable("torch", batch, "verify_tree")
+    if api._capturing():
+        raise ValueError("verify_tree() reads the tree layout on the host and runs the PyTorch "
+                         "backend, neither of which can run inside CUDA-graph capture")
     n = batch.num_requests
     _check_float_matrix("target_logits", target_logits)
     if target_logits.shape[1] != batch.vocab_size:
