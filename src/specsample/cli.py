@@ -96,7 +96,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                         "every suffix match merged into a trie; model: best-first top-b "
                         "expansion) and verify it in one target forward with verify_tree")
     s.add_argument("--tree-nodes", type=int, default=None, metavar="N",
-                   help="node budget of a tree with --tree (default 16)")
+                   help="node budget of a tree with --tree (default 8)")
     s.add_argument("--tree-branching", type=int, default=None, metavar="B",
                    help="most children of a tree node with --tree (default: 4 for --drafter "
                         "model, no limit for ngram)")

@@ -360,7 +360,7 @@ def test_cli_tree_compare_is_identical(cli_with_tiny_model, capsys, temperature)
     # the human report names the tree
     assert cli_with_tiny_model("--prompt", prompt, "--tree", "--max-new-tokens", "4",
                                "--no-warmup") == 0
-    assert "tree of 16 nodes, depth 4" in capsys.readouterr().out
+    assert "tree of 8 nodes, depth 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

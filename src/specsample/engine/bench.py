@@ -12,11 +12,13 @@ median decode tokens/s of each, the speed-up and whether the seeded outputs were
 
 With ``--tree-nodes K [K ...]`` it compares tree speculation with the chain engine at the same
 node budget instead (n-gram drafter; :func:`run_tree_bench`): per prompt (the repeat-a-passage
-prompt and a code-editing prompt, or ``--prompt-file`` ones) and temperature, plain decoding,
-a chain of K drafts and a tree of K nodes (depth K), and the default ``--tree`` (16 nodes,
-depth ``-k``), interleaved ``--repeats`` times::
+prompt, or the ``--prompt-file`` ones instead, then a code-editing prompt) and temperature,
+plain decoding,
+a chain of K drafts and a tree of K nodes (depth K), and the default ``--tree`` (its default
+node budget, depth ``-k``), interleaved ``--repeats`` times::
 
-    python -m specsample.engine.bench --threads 1 --tree-nodes 4 8 16
+    python -m specsample.engine.bench --threads 1 --tree-nodes 4 8 16 \
+        --prompt-file examples/repeat_passage.txt
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def run_tree_bench(model: str = "default", *, prompts: dict[str, str] | None = N
 
     For each prompt (name -> text; default: the repeat-a-passage and code-editing prompts)
     and temperature: plain decoding, ``chain k=K`` (K drafts) and ``tree K`` (K nodes, depth
-    K) for each K in ``budgets``, and ``tree 16 d=default_depth`` (the default ``--tree``),
+    K) for each K in ``budgets``, and a tree of ``DEFAULT_TREE_NODES`` nodes and depth
+    ``default_depth`` (the default ``--tree``),
     run interleaved ``repeats`` times after one warm-up each. Returns a JSON-ready dict:
     per configuration the median decode tokens/s, the speed-up over plain decoding, the mean
     accepted length and acceptance rate (accepted / drafted nodes), and whether every seeded
@@ -202,7 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--tree-nodes", type=int, nargs="+", default=None, metavar="K",
                    help="compare trees of K nodes with chains of K drafts (n-gram) instead")
     p.add_argument("--prompt-file", action="append", default=[], metavar="PATH",
-                   help="with --tree-nodes: prompts to use (default: the built-in two)")
+                   help="with --tree-nodes: prompts to use instead of the built-in "
+                        "repeat-a-passage one (the code-editing prompt follows them)")
     args = p.parse_args(argv)
     if args.prompt_file and args.tree_nodes is None:
         p.error("--prompt-file is only used with --tree-nodes")
@@ -223,6 +227,7 @@ def main(argv=None) -> int:
             for path in args.prompt_file:
                 with open(path, encoding="utf-8") as f:
                     prompts[path] = f.read()
+            prompts["code edit"] = CODE_PROMPT
         out = run_tree_bench(args.model, prompts=prompts, temperatures=args.temperatures,
                              budgets=args.tree_nodes, default_depth=args.num_speculative_tokens,
                              max_new_tokens=args.max_new_tokens, repeats=args.repeats,

@@ -52,7 +52,7 @@ from .stats import GenerationStats, RequestStats, paths_delta
 METHODS = ("token", "block")
 
 #: Default node budget of a tree (``tree_nodes``, ``--tree-nodes``).
-DEFAULT_TREE_NODES = 16
+DEFAULT_TREE_NODES = 8
 
 #: ``on_tokens(request_index, new_token_ids)``: called after each step with the ids just
 #: committed for a request.
