@@ -507,6 +507,31 @@ def test_invalid_data(bad):
     assert ref.invalid.tolist() == [True, False]
 
 
+def test_layout_of_interleaved_numbering():
+    """Children in node-number order even when siblings are not numbered contiguously."""
+    from specsample.tree import build_tree_layout
+
+    # request 0: 0 -> {1, 2}, 1 -> {3, 5}, 2 -> {4}, 5 -> {6}; request 1: no node
+    parents = torch.tensor([0, 0, 1, 2, 1, 5])
+    toks = torch.tensor([10, 11, 12, 13, 14, 15])
+    lay = build_tree_layout((6, 0), parents, toks, torch.device("cpu"))
+    assert lay.depth == 3
+    assert lay.row_depth.tolist() == [0, 1, 1, 2, 2, 2, 3, 0]
+    assert lay.row_req.tolist() == [0] * 7 + [1]
+    assert lay.children[0].tolist() == [1, 2] and lay.children[1].tolist() == [3, 5]
+    assert lay.children[2].tolist() == [4, -1] and lay.children[7].tolist() == [-1, -1]
+    assert lay.path_rows[6].tolist() == [0, 1, 5, 6]
+    assert lay.path_tokens[6].tolist() == [10, 14, 15]
+    assert lay.path_tokens[4].tolist() == [11, 13, -1]
+
+
+def test_forbidden_path_raises():
+    logits, toks, parents, num_nodes, batch = _small()
+    with paths.forbid("torch.verify_tree.*"):
+        with pytest.raises(paths.ForbiddenPathError):
+            specsample.verify_tree(logits, toks, parents, num_nodes, batch, positions=[3, 4])
+
+
 def test_zz_report_pvalues():
     if PVALUES:
         print("\n" + "\n".join(f"{k}: p = {v:.3g}" for k, v in sorted(PVALUES.items())))
