@@ -362,8 +362,9 @@ def _g_test(samples: list[tuple], law: dict[tuple, float]) -> float:
     f_obs = [observed.get(t, 0) for t in big] + (
         [sum(observed.get(t, 0) for t in small)] if small else [])
     if f_exp[-1] < 5:
-        f_exp[-2] += f_exp.pop()
-        f_obs[-2] += f_obs.pop()
+        last_exp, last_obs = f_exp.pop(), f_obs.pop()  # (pop first: a[-2] += a.pop()
+        f_exp[-1] += last_exp  # would read one bin and write another)
+        f_obs[-1] += last_obs
     f_exp = np.array(f_exp) * n / sum(f_exp)
     assert (f_exp >= 5).all() and len(f_exp) >= 10
     return float(stats.power_divergence(f_obs, f_exp, lambda_="log-likelihood").pvalue)

@@ -202,8 +202,9 @@ def g_test(samples: np.ndarray, law: dict[tuple, float]) -> float:
         f_exp.append(sum(law[t] for t in small) * n)
         f_obs.append(sum(observed.get(t, 0) for t in small))
     if f_exp[-1] < 5 and len(f_exp) > 1:  # fold a still-small pooled bin into the last one
-        f_exp[-2] += f_exp.pop()
-        f_obs[-2] += f_obs.pop()
+        last_exp, last_obs = f_exp.pop(), f_obs.pop()  # (pop first: a[-2] += a.pop()
+        f_exp[-1] += last_exp  # would read one bin and write another)
+        f_obs[-1] += last_obs
     f_exp = np.array(f_exp)
     f_exp *= n / f_exp.sum()
     return float(stats.power_divergence(f_obs, f_exp, lambda_="log-likelihood").pvalue)
