@@ -279,6 +279,16 @@ def test_tree_depth_respects_max_new_tokens_and_context(target_model):
     assert res.outputs[0].finish_reason == "length" and len(res.outputs[0].token_ids) == 3
 
 
+def test_one_call_generate_takes_tree_options(target_model):
+    from specsample.engine import generate
+
+    params = params_for(0.8, n=1)
+    plain = run(target_model, "none", [BRANCHY], params, max_new_tokens=12)
+    res = generate(target_model, [BRANCHY], params, max_new_tokens=12, eos_token_ids=[],
+                   tree=True, tree_nodes=5, tree_branching=2)
+    assert outputs(res) == outputs(plain) and res.stats.tree_nodes == 5
+
+
 def test_tree_bad_arguments_are_named(target_model):
     with pytest.raises(ValueError, match="method 'block' is not available with trees"):
         SpeculativeEngine(target_model, "ngram", tree=True, method="block")
@@ -288,6 +298,8 @@ def test_tree_bad_arguments_are_named(target_model):
         SpeculativeEngine(target_model, "ngram", tree=True, tree_nodes=0)
     with pytest.raises(ValueError, match="branching must be >= 1"):
         SpeculativeEngine(target_model, "ngram", tree=True, tree_branching=0)
+    with pytest.raises(ValueError, match="tree_branching is only used with tree=True"):
+        SpeculativeEngine(target_model, "ngram", tree_branching=2)
     with pytest.raises(ValueError, match="NgramDrafter does not"):
         SpeculativeEngine(target_model, NgramDrafter(), tree=True)
     assert isinstance(make_drafter("ngram", tree=True), NgramTreeDrafter)

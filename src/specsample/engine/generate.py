@@ -152,7 +152,7 @@ class SpeculativeEngine:
         ValueError: an unknown drafter or method, ``num_speculative_tokens < 0``, a draft model
             whose vocabulary is wider than the target's; with ``tree``: method ``"block"``,
             the ``none`` drafter or one without trees, ``tree_nodes < 1``,
-            ``tree_branching < 1``.
+            ``tree_branching < 1``; ``tree_branching`` without ``tree``.
     """
 
     def __init__(self, target: Any, drafter: Drafter | str = "ngram", *,
@@ -184,6 +184,8 @@ class SpeculativeEngine:
             if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or \
                     tree_nodes < 1:
                 raise ValueError(f"tree_nodes must be an int >= 1, got {tree_nodes!r}")
+        elif tree_branching is not None:
+            raise ValueError("tree_branching is only used with tree=True")
         if isinstance(drafter, str):
             drafter = make_drafter(drafter, draft_model=draft_model, ngram_max=ngram_max,
                                    ngram_min=ngram_min, tree=tree, tree_branching=tree_branching)
@@ -488,10 +490,13 @@ def generate(target: Any, prompts: Sequence[Sequence[int]], params: Any = None, 
              drafter: Drafter | str = "ngram", num_speculative_tokens: int = 4,
              method: str = "token", draft_model: Any = None, max_new_tokens: int = 64,
              eos_token_ids: Sequence[int] | None = None,
-             on_tokens: TokenCallback | None = None) -> GenerationResult:
+             on_tokens: TokenCallback | None = None, tree: bool = False,
+             tree_nodes: int = DEFAULT_TREE_NODES,
+             tree_branching: int | None = None) -> GenerationResult:
     """One-call form of :class:`SpeculativeEngine` ``(...).generate(...)`` (same arguments and
     errors)."""
     engine = SpeculativeEngine(target, drafter, num_speculative_tokens=num_speculative_tokens,
                                method=method, draft_model=draft_model,
-                               eos_token_ids=eos_token_ids)
+                               eos_token_ids=eos_token_ids, tree=tree, tree_nodes=tree_nodes,
+                               tree_branching=tree_branching)
     return engine.generate(prompts, params, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
