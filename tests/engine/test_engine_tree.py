@@ -181,6 +181,18 @@ def test_cache_after_tree_step_equals_chain_of_the_accepted_path(dtype):
         assert again.shape == (2, 64)
 
 
+def test_tree_forward_with_sdpa_attention():
+    """The additive mask also drives sdpa attention: the tree's path rows are the chain's."""
+    model = tiny_llama(5, dtype=torch.float32)
+    model.set_attn_implementation("sdpa")
+    tree = ModelCache(model)
+    tree.forward([1, 2, 3, 4])
+    rows = tree.forward_tree([5, 7, 8, 9], [-1, 0, 0, 1], tree_start=4)
+    chain = ModelCache(model)
+    chain.forward([1, 2, 3, 4])
+    assert (rows[[0, 1, 3]] - chain.forward([5, 7, 9])).abs().max() < 1e-4
+
+
 def test_cache_tree_errors(target_model):
     cache = ModelCache(target_model)
     cache.forward([1, 2, 3])
