@@ -384,6 +384,7 @@ class SamplingBatch:
         return self._flat(self.prompt_mask)[1]
 
     @classmethod
+    @torch.inference_mode(False)  # (normal tensors: append() may run outside inference mode)
     def from_params(
         cls,
         params: Sequence[SamplingParams],
@@ -562,6 +563,7 @@ class SamplingBatch:
             self.context_tail.copy_(torch.where(words[:, None], rolled, self.context_tail))
         self.num_output.add_(count)
 
+    @torch.inference_mode(False)
     def select(self, indices) -> SamplingBatch:
         """A batch of the requests at ``indices`` (in that order), with their state.
 
@@ -611,6 +613,7 @@ class SamplingBatch:
             fresh_counter=self.fresh_counter, eos_token_ids=self.eos_token_ids, **static)
 
     @staticmethod
+    @torch.inference_mode(False)
     def concat(batches: Sequence[SamplingBatch]) -> SamplingBatch:
         """One batch of the requests of ``batches``, in order, with their state.
 
@@ -618,13 +621,14 @@ class SamplingBatch:
         are joined (device copies, no host read); ``context_tail`` is widened with -1 on the
         left where a batch's words were shorter (its requests' own words never look further
         back), ``output_counts`` / ``prompt_mask`` get zero rows for a batch without
-        penalties (its requests have none). ``fresh_counter`` is a new tensor holding the
-        largest of the batches' counters; keep using the joined batch (the sources' counters
-        are not advanced by its calls).
+        penalties (its requests have none). When every batch shares one ``fresh_counter``
+        (selections of one batch) the joined batch shares it too; otherwise it gets a new
+        tensor holding the largest of their counters: keep using the joined batch then (the
+        sources' counters are not advanced by its calls).
 
         Raises:
-            ValueError: no batches, a non-SamplingBatch, or batches that differ in
-                vocab_size, device or eos_token_ids.
+            ValueError: no batches, a non-SamplingBatch, the same batch twice, or batches
+                that differ in vocab_size, device or eos_token_ids.
         """
         batches = list(batches) if isinstance(batches, Iterable) else None
         if not batches or not all(isinstance(b, SamplingBatch) for b in batches):
@@ -637,6 +641,9 @@ class SamplingBatch:
                                  f"eos_token_ids, got ({first.vocab_size}, {first.device}, "
                                  f"{first.eos_token_ids}) and ({b.vocab_size}, {b.device}, "
                                  f"{b.eos_token_ids})")
+        if len({id(b) for b in batches}) < len(batches):
+            raise ValueError("concat(): the same batch appears twice (its requests would be "
+                             "duplicated with the same seeds and state)")
         params = tuple(p for b in batches for p in b.params)
         stop_users, offset = [], 0
         for b in batches:
@@ -661,7 +668,9 @@ class SamplingBatch:
             prompt_mask=torch.cat([dense(b, b.prompt_mask) for b in batches]),
             num_output=cat("num_output"),
             context_tail=torch.cat([_fit_width(b.context_tail, width) for b in batches]),
-            fresh_counter=torch.stack([b.fresh_counter for b in batches]).amax(0),
+            fresh_counter=(first.fresh_counter if all(
+                b.fresh_counter is first.fresh_counter for b in batches) else
+                torch.stack([b.fresh_counter for b in batches]).amax(0)),
             eos_token_ids=first.eos_token_ids, **static)
 
     def refresh_min_tokens(self) -> bool:

@@ -409,10 +409,13 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     k = plan.max_k
     k_eff = plan.k_eff
     y_grid = y[rows]
-    sampled_dist = ~greedy_req & plan.has_draft_dist
+    # (a draft distribution with no drafts at all, e.g. every k_i = 0 under a fixed
+    # max_num_draft_tokens, has no row to read: every request just gets its bonus token)
+    has_dist = plan.has_draft_dist and plan.draft_token_ids.numel() > 0
+    sampled_dist = ~greedy_req & has_dist
     accept = d == y_grid[:, :k]  # sample-and-match (one-hot) and greedy verification
     emit = y_grid
-    if plan.has_draft_dist and bool(sampled_dist.any()):
+    if has_dist and bool(sampled_dist.any()):
         if plan.method == "block":
             n_acc_dist, rho_tau = _block_tau(plan, z, lse, rows, d, didx, sampled_dist)
         else:

@@ -263,6 +263,12 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             num_warps=warps)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
+        # The processing sanitised the rows of requests it found invalid (NaN / inf logits,
+        # overflow, bans that leave nothing), so the kernels saw finite rows: mark them here.
+        bad = proc_err != 0
+        invalid = invalid | bad
+        token_ids = token_ids.masked_fill(bad[:, None], -1)
+        num_accepted = num_accepted.masked_fill(bad, 0)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", rows)
