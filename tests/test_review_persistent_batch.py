@@ -13,6 +13,7 @@ from specsample import SamplingBatch, SamplingError, SamplingParams
 from specsample import plan as plan_mod
 from specsample.outputs import SampleOutput, VerifyOutput
 from specsample.plan import ERR_NUM_DRAFT_TOKENS
+from test_persistent_batch import _same  # outputs equal field by field
 
 
 def _device_counts(monkeypatch):
@@ -20,15 +21,6 @@ def _device_counts(monkeypatch):
     monkeypatch.setattr(plan_mod, "_is_device_tensor", lambda t: isinstance(t, torch.Tensor))
 
 
-def _same(a, b) -> None:
-    assert torch.equal(a.token_ids, b.token_ids), (a.token_ids, b.token_ids)
-    assert torch.equal(a.invalid, b.invalid)
-    if isinstance(a, VerifyOutput):
-        assert torch.equal(a.num_accepted, b.num_accepted)
-    assert (a.logprobs is None) == (b.logprobs is None)
-    if a.logprobs is not None:
-        assert torch.equal(a.logprobs, b.logprobs)
-        assert torch.equal(a.logprob_token_ids, b.logprob_token_ids)
 
 
 # ------------------------------------------------------------------ 1. max_num_draft_tokens
