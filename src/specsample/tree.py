@@ -1,4 +1,6 @@
-"""Exact token-tree verification (``specsample.verify_tree``) on the PyTorch backend.
+"""Exact token-tree verification (``specsample.verify_tree``): the PyTorch backend, the layout
+and the dispatch (deterministic trees run on the Triton kernels with the Triton backend:
+``specsample.triton_backend.tree``).
 
 Request i drafted a tree of m_i nodes numbered 1..m_i in topological order (a node's parent
 has a smaller number); node 0 is the root, the request's last committed token. The target
@@ -204,9 +206,10 @@ class TreePlan(Plan):
         return torch.ones(self.num_rows, dtype=torch.bool, device=self.logits.device)
 
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, token) pairs: every node on a row's path (the node included, the root not)."""
+        """(row, token) pairs: every node on a row's path (the node included, the root not).
+        Tokens outside [0, V) are left out (their request is invalid: ERR_DRAFT_ID)."""
         toks = self.tree.path_tokens
-        ok = toks >= 0
+        ok = (toks >= 0) & (toks < self.vocab_size)
         rows = torch.arange(toks.shape[0], device=toks.device)[:, None].expand_as(toks)
         return rows[ok], toks[ok]
 
@@ -416,7 +419,6 @@ def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
     """Verify every request's tree (module docstring); returns the output and the [N] ERR_*
     bitmask."""
     batch, tree = plan.batch, plan.tree
-    dev = plan.logits.device
     plan, z, err = _processed(plan)
     invalid = err != 0
     tile_lse, lse = torch_backend.processed_tile_logsumexp(z)
@@ -435,6 +437,24 @@ def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
             final = final.clone()
             emit = emit.clone()
             final[idx], emit[idx] = f, e
+    processed = None
+    if batch.max_logprobs >= 0:
+        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
+            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
+
+    return assemble_output(plan, final, emit, invalid, processed), err
+
+
+def assemble_output(plan: TreePlan, final: torch.Tensor, emit: torch.Tensor,
+                    invalid: torch.Tensor, processed) -> TreeVerifyOutput:
+    """The :class:`TreeVerifyOutput` of a finished walk (both backends).
+
+    ``final`` [N] int64: the row where each request's walk stopped; ``emit`` [N] int64: the
+    token emitted there (correction or bonus); ``invalid`` [N] bool; ``processed``: None
+    without logprobs, else the ``processed_logprobs`` callable of
+    ``torch_backend.emitted_logprobs`` over the plan's rows."""
+    tree = plan.tree
+    dev = plan.logits.device
     d = tree.depth
     num_accepted = torch.where(invalid, 0, tree.row_depth[final])
     path = tree.path_rows[final]  # [N, D + 1]
@@ -448,18 +468,13 @@ def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
     node_ids = tree.row_node[path[:, 1:].clamp_min(0)]
     accepted_node_ids = torch.where(on_path[:, 1:], node_ids, -1)
     logprobs = logprob_ids = None
-    if batch.max_logprobs >= 0:
+    if processed is not None:
         rows = torch.where(on_path, path, tree.row_start[:, None]).clamp_min(0)
-
-        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
-            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
-
         logprobs, logprob_ids = torch_backend.emitted_logprobs(plan, processed, rows,
                                                                token_ids, on_path)
-    out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
-                           accepted_node_ids=accepted_node_ids, logprobs=logprobs,
-                           logprob_token_ids=logprob_ids, invalid=invalid)
-    return out, err
+    return TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
+                            accepted_node_ids=accepted_node_ids, logprobs=logprobs,
+                            logprob_token_ids=logprob_ids, invalid=invalid)
 
 
 def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes,
@@ -496,9 +511,12 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         (node numbers of the accepted path, -1 padded), logprobs / logprob_token_ids
         [N, D + 1, 1 + n] or None, invalid [N] bool.
 
-    The tree layout is read on the host (one synchronisation for device tensors). Runs the
-    PyTorch backend on every device (paths ``torch.verify_tree.onehot`` /
-    ``torch.verify_tree.draft_probs``).
+    The tree layout is read on the host (one synchronisation for device tensors). Backends
+    (``api.select_backend``): deterministic trees run on the Triton kernels on CUDA (paths
+    ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``, see
+    ``specsample.triton_backend.tree``) and on the PyTorch backend elsewhere
+    (``torch.verify_tree.onehot``); trees with ``draft_probs`` run on the PyTorch backend on
+    every device (``torch.verify_tree.draft_probs``).
 
     Raises:
         ValueError: wrong types, shapes, dtypes or devices; a num_nodes entry < 0; a parent
@@ -513,8 +531,8 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     api._check_not_capturing(strict, "verify_tree")
     api._check_batch(batch)
     if api._capturing():
-        raise ValueError("verify_tree() reads the tree layout on the host and runs the PyTorch "
-                         "backend, neither of which can run inside CUDA-graph capture")
+        raise ValueError("verify_tree() reads and checks the tree layout on the host (a "
+                         "synchronisation), which cannot run inside CUDA-graph capture")
     n = batch.num_requests
     _check_float_matrix("target_logits", target_logits)
     if target_logits.shape[1] != batch.vocab_size:
@@ -546,9 +564,16 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
     plan = _tree_plan(target_logits, batch, pos, tree)
     plan = dataclasses.replace(plan, draft_probs=draft_probs)
-    kind = "onehot" if draft_probs is None else "draft_probs"
-    paths.record(f"torch.verify_tree.{kind}", n + total)
-    out, err = _run_tree(plan, draft_probs)
+    # Recorded before running, so that a forbidden path raises before doing any work.
+    if draft_probs is None and api.select_backend(device) == "triton":
+        from .triton_backend import tree as triton_tree
+
+        paths.record(f"triton.verify_tree.{triton_tree.path_kind(batch)}", n + total)
+        out, err = triton_tree.run_tree(plan)
+    else:
+        kind = "onehot" if draft_probs is None else "draft_probs"
+        paths.record(f"torch.verify_tree.{kind}", n + total)
+        out, err = _run_tree(plan, draft_probs)
     n_greedy = sum(p.greedy for p in batch.params)
     if n_greedy:
         paths.record("requests.greedy", n_greedy)

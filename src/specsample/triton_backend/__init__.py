@@ -156,6 +156,65 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
     return cut_v, cut_i
 
 
+def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
+              filtered: bool):
+    """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
+    (``row_j <= k_eff`` of its request, ``kernels.sample_kernel``): x [R, V] the rows (model
+    dtype, or the general path's float32 processed logits with ``temp`` all ones), temp [N]
+    float32, draft_ids [>= max k_given] int64 (``kernels._k_eff`` reads them).
+
+    Returns ((part_m, part_s, part_f) split statistics, tiles, NT, y [R] int32 each row's
+    token, stats [R, 3] float32 (max, log-normaliser, flags), (cut_v, cut_i) the filters'
+    cuts; split statistics when not filtered, which the kernels do not read). No host
+    synchronisation."""
+    batch, dev, rows = plan.batch, x.device, plan.num_rows
+    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
+        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
+        write_tiles=True, write_top=filtered)
+    y = torch.empty(rows, dtype=torch.int32, device=dev)
+    stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
+    cut_v = cut_i = part_m  # (not read unless filtered)
+    if filtered:
+        cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
+                                    tiles, nt)
+    if rows:
+        kernels.sample_kernel[(rows,)](
+            x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
+            plan.draft_start, plan.k_given, temp, batch.temperature,
+            batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
+            tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, FILTERED=filtered,
+            S_MAX=S_MAX, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
+            num_warps=NUM_WARPS if not _interpreting(dev) else 1)
+    return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i)
+
+
+def stats_logprobs(x: torch.Tensor, plan: Plan, temp: torch.Tensor, stats: torch.Tensor,
+                   filtered: bool, cut_v: torch.Tensor, cut_i: torch.Tensor):
+    """The ``processed_logprobs`` callable of ``torch_backend.emitted_logprobs`` from the
+    kernels' row statistics (:func:`draw_rows`): ``f(flat)`` gives ([R, V] processed logprobs
+    of rows ``flat``, the rows' values masked to the survivors for ranking), ``f(flat, tok)``
+    only the [R] logprobs at ``tok`` (one gathered logit per row)."""
+    dev = x.device
+    t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
+
+    def processed(flat: torch.Tensor, tok: torch.Tensor | None = None):
+        if tok is None:
+            xf, ids = x[flat].float(), torch.arange(x.shape[1], device=dev)[None, :]
+        else:
+            xf, ids = x[flat, tok].float()[:, None], tok[:, None]
+        m, logz = stats[flat, 0:1], stats[flat, 1:2]
+        lp = (xf - m) / t_eff[flat, None] - logz
+        rank = xf
+        if filtered:
+            cv, ci = cut_v[flat, None], cut_i[flat, None]
+            dropped = ~((xf > cv) | ((xf == cv) & (ids <= ci)))
+            lp = lp.masked_fill(dropped, -math.inf)
+            rank = xf.masked_fill(dropped, -math.inf)
+        return (lp, rank) if tok is None else lp[:, 0]
+
+    return processed
+
+
 def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels:
     the fused path, or the general path when a request needs a processor beyond temperature.
@@ -179,9 +238,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     req_temp = batch.temperature
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
-    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
-        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
-        write_tiles=True, write_top=filtered)
+    (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i) = draw_rows(
+        x, plan, temp, draft_ids, filtered)
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
@@ -196,20 +254,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         dpart_m, dpart_s, dpart_f = part_m, part_s, part_f
 
     rows = plan.num_rows
-    tpc = _tiles_per_chunk(dev)
-    y = torch.empty(rows, dtype=torch.int32, device=dev)
-    stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     warps = NUM_WARPS if not _interpreting(dev) else 1
-    cut_v = cut_i = part_m  # (not read unless filtered)
-    if filtered:
-        cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
-                                    tiles, nt)
-    kernels.sample_kernel[(rows,)](
-        x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
-        plan.k_given, temp, req_temp,
-        batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
-        tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, FILTERED=filtered,
-        S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK, num_warps=warps)
 
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
@@ -275,26 +320,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         j = torch.arange(k + 1, device=dev)
         grid = (plan.row_start[:, None] + j).clamp_max(rows - 1)
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
-        t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
-
-        def processed(flat: torch.Tensor, tok: torch.Tensor | None = None):
-            # ([R, V] processed logprobs of rows ``flat`` from the kernels' row statistics, the
-            # rows' values masked to the survivors for ranking), or only the [R] logprobs at
-            # ``tok`` (one gathered logit per row).
-            if tok is None:
-                xf, ids = x[flat].float(), torch.arange(x.shape[1], device=dev)[None, :]
-            else:
-                xf, ids = x[flat, tok].float()[:, None], tok[:, None]
-            m, logz = stats[flat, 0:1], stats[flat, 1:2]
-            lp = (xf - m) / t_eff[flat, None] - logz
-            rank = xf
-            if filtered:
-                cv, ci = cut_v[flat, None], cut_i[flat, None]
-                dropped = ~((xf > cv) | ((xf == cv) & (ids <= ci)))
-                lp = lp.masked_fill(dropped, -math.inf)
-                rank = xf.masked_fill(dropped, -math.inf)
-            return (lp, rank) if tok is None else lp[:, 0]
-
+        processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                        logprob_token_ids=logprob_ids, invalid=invalid)
