@@ -112,3 +112,32 @@ def test_cpu_check_reports_the_ratio():
     for r in res:
         assert r["ms"] > 0 and r["softmax_ms"] > 0 and r["ratio"] > 0
     assert res[1]["limit_ms"] == bench.CPU_SAMPLE_LIMIT_MS
+
+
+def test_tree_shape_is_breadth_first_4_then_2():
+    assert bench.tree_shape(16) == [0] * 4 + [1, 1, 2, 2, 3, 3, 4, 4] + [5, 5, 6, 6]
+    p64 = bench.tree_shape(64)
+    assert len(p64) == 64 and all(0 <= p < n for n, p in enumerate(p64, start=1))
+    assert p64[:4] == [0] * 4 and p64[60:] == [29, 29, 30, 30]  # 4 + 8 + 16 + 32, then 4
+
+
+def test_quick_run_with_trees(tmp_path, capsys):
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
+            "1,2", "--vocab", "512", "--sample-batch-sizes", "1", "--sample-vocab", "1024",
+            "--temperatures", "1.0", "--options", "none", "--trees", "--quick"]
+    assert bench.main(argv) == 0
+    cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
+    trees = [c for c in cases if c["op"] == "verify_tree"]
+    chains = [c for c in cases if c["shape"] == "chain"]
+    assert [(c["k"], c["batch"]) for c in trees] == [(16, 1), (16, 2), (64, 1), (64, 2)]
+    assert [(c["k"], c["batch"]) for c in chains] == [(16, 1), (16, 2), (64, 1), (64, 2)]
+    for tree, chain in zip(trees, chains, strict=True):
+        # the same target rows: M + 1 per request, so the same floor
+        assert tree["rows"] == chain["rows"] == tree["batch"] * (tree["k"] + 1)
+        assert tree["bytes_read_once"] == chain["bytes_read_once"] == tree["rows"] * 512 * 2
+        assert chain["fused"]["paths"]["torch.verify.onehot"]["calls"] >= 2
+        for variant in ("fused", "unfused"):
+            assert tree[variant]["error"] is None, tree[variant]["error"]
+            assert tree[variant]["paths"]["torch.verify_tree.onehot"]["calls"] >= 2
+        assert tree["mean_accepted"] >= 0 and tree["ratio_to_floor"] > 0
+    assert "verify_tree/onehot+tree64/T=1.0/B=2" in capsys.readouterr().out

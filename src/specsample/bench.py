@@ -34,7 +34,12 @@ verification with draft logits and draft probabilities; ``--draft-counts varying
 one-hot cases whose requests draft i mod (K + 1) tokens, or whose ``num_draft_tokens`` is a
 device tensor with ``max_num_draft_tokens=K``; ``--options`` adds filter and logprob cases,
 and the logprob ones are timed beside the PyTorch code a caller would write instead
-(``log_softmax`` in float32, ``topk``, a gather; column ``base graph``).
+(``log_softmax`` in float32, ``topk``, a gather; column ``base graph``). ``--trees [M,...]``
+(default 16,64) adds ``verify_tree()`` of one-hot (deterministic) trees of M nodes per request
+(:func:`tree_shape`, children from :func:`tree_tokens`), T = 1, and beside each the same target
+rows verified as one chain (``verify()`` with k = M drafts: M + 1 rows per request, the same
+bytes); floor: the node rows read once. verify_tree reads the tree layout on the host, so it
+has no graph replay (the table shows eager time; the chain shows both).
 
 On a CPU (no CUDA) the harness runs the PyTorch backend with ``time.perf_counter`` medians and
 no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` times the CPU path per
@@ -60,6 +65,7 @@ import torch
 from . import paths
 from .api import sample, select_backend, verify
 from .params import SamplingBatch, SamplingParams
+from .tree import verify_tree
 
 TEMPERATURE_LABELS = ("0.7", "1.0", "mix")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -87,6 +93,8 @@ VERIFY_B1_US = 8.0
 PEAK_TEMP_MIB = 0.5  # at B = 128
 SAMPLE_B1_US = 10.0
 SAMPLE_FLOOR_RATIO = 1.5  # at B = 128
+TREE_FLOOR_RATIO = 1.5  # verify_tree, 64 nodes per request at B = 32 (issue 10)
+TREE_BRANCHING = (4, 2)  # --trees: 4 children at the root, then 2 per node (last repeats)
 CPU_CHECK_RATIO = 2.0
 
 
@@ -150,6 +158,51 @@ def request_temperatures(label: str, n: int) -> list[float]:
     return [float(label)] * n
 
 
+def tree_shape(nodes: int, branching: Sequence[int] = TREE_BRANCHING) -> list[int]:
+    """Parents (node numbers, 0 = the root) of the ``--trees`` tree of ``nodes`` nodes: built
+    breadth-first, a node at depth d gets ``branching[d]`` children (the last entry repeats),
+    in node order until ``nodes`` are placed. 16 nodes: 4, 8, then 4 at depth 3 (two under
+    each of the first two depth-2 nodes); 64: 4, 8, 16, 32, then 4 at depth 5."""
+    parents: list[int] = []
+    level, depth = [0], 0
+    while len(parents) < nodes:
+        width = branching[min(depth, len(branching) - 1)]
+        nxt = []
+        for node in level:
+            for _ in range(width):
+                if len(parents) == nodes:
+                    break
+                parents.append(node)
+                nxt.append(len(parents))
+        level, depth = nxt, depth + 1
+    return parents
+
+
+def tree_tokens(logits: torch.Tensor, nodes: int, parents: Sequence[int],
+                generator: torch.Generator) -> torch.Tensor:
+    """[N * nodes] int64 node tokens of N requests' trees of shape ``parents`` (request i's
+    rows are ``logits[i (nodes + 1): (i + 1)(nodes + 1)]``, node n's row at offset n): the
+    children of a node are the top tokens, in order, of the node's row perturbed by
+    ``DRAFT_NOISE`` Gaussian noise (a top-b drafter that mostly agrees with the target), so
+    siblings are distinct."""
+    v = logits.shape[1]
+    n = logits.shape[0] // (nodes + 1)
+    ranks: list[int] = []
+    seen: dict[int, int] = {}
+    for p in parents:  # a child's rank among its siblings
+        ranks.append(seen.get(p, 0))
+        seen[p] = ranks[-1] + 1
+    width = max(seen.values(), default=1)
+    par = torch.tensor(parents, dtype=torch.int64, device=logits.device)
+    rank = torch.tensor(ranks, dtype=torch.int64, device=logits.device)
+    rows = logits.float().view(n, nodes + 1, v)
+    noisy = rows + DRAFT_NOISE * torch.randn(rows.shape, device=logits.device,
+                                             generator=generator)
+    top = noisy.topk(width, dim=-1).indices  # [N, nodes + 1, width]
+    tok = top[:, par, rank]  # [N, nodes]
+    return tok.reshape(-1).cpu()
+
+
 @dataclass
 class Inputs:
     """Everything one timed call needs (all on the benchmark device)."""
@@ -163,6 +216,7 @@ class Inputs:
     draft_logits: torch.Tensor | None  # [S, V]
     draft_probs: torch.Tensor | None = None  # [S, V] float32
     max_num_draft_tokens: int | None = None  # with a device num_draft ("device" counts)
+    parents: torch.Tensor | None = None  # verify_tree: [N * M] int64 on the host
 
 
 # --------------------------------------------------------------------------- cases
@@ -174,7 +228,9 @@ class Case:
     "draft_probs") or "sample" (``draft`` None), a temperature label, batch size, drafts per
     request, vocab. ``counts``: "fixed" (k drafts each, a host list), "varying" (request i has
     i mod (k + 1) drafts) or "device" (fixed k, ``num_draft_tokens`` a device tensor with
-    ``max_num_draft_tokens=k``: no host read)."""
+    ``max_num_draft_tokens=k``: no host read). ``shape``: "tree" (op "verify_tree": a
+    one-hot tree of k nodes per request, :func:`tree_shape`) or "chain" (its comparison: one
+    chain of k drafts, the same rows); "" otherwise."""
 
     op: str
     draft: str | None
@@ -186,12 +242,15 @@ class Case:
     options: str = ""  # an OPTION_CASES label (its temperature replaces ``temperature``)
     method: str = "token"  # verify(): "token" or "block"
     counts: str = "fixed"
+    shape: str = ""
 
     @property
     def name(self) -> str:
         kind = (self.draft or "sample") + ("+block" if self.method == "block" else "")
         if self.counts != "fixed":
             kind += f"+{self.counts}-k"
+        if self.shape:
+            kind += f"+{self.shape}{self.k}"
         setting = self.options or f"T={self.temperature}"
         return f"{self.op}/{kind}/{setting}/B={self.batch}"
 
@@ -205,7 +264,7 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    n, k = case.batch, (case.k if case.op == "verify" else 0)
+    n, k = case.batch, (case.k if case.op in ("verify", "verify_tree") else 0)
     ks = [i % (k + 1) for i in range(n)] if case.counts == "varying" else [k] * n
     extra = {}
     if case.options:
@@ -218,8 +277,12 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
                for i, t in enumerate(temps)]
     logits = zipf_logits(sum(ks) + n, case.vocab, dtype=DTYPES[case.dtype], device=device,
                          generator=gen)
-    drafts = draft_logits = draft_probs = None
-    if sum(ks):
+    drafts = draft_logits = draft_probs = parents = None
+    if case.op == "verify_tree":
+        shape = tree_shape(k)
+        drafts = tree_tokens(logits, k, shape, gen)
+        parents = torch.tensor(shape * n, dtype=torch.int64)
+    elif sum(ks):
         is_draft = torch.ones(logits.shape[0], dtype=torch.bool, device=device)
         is_draft[torch.tensor(ks, device=device).cumsum(0) + torch.arange(n, device=device)] = (
             False)  # (each request's last row is its bonus row)
@@ -247,7 +310,7 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         general_batch=SamplingBatch.from_params(general, vocab_size=case.vocab, device=device),
         positions=4096 + 64 * torch.arange(n, dtype=torch.int64, device=device),
         num_draft=num_draft, drafts=drafts, draft_logits=draft_logits, draft_probs=draft_probs,
-        max_num_draft_tokens=max_k,
+        max_num_draft_tokens=max_k, parents=parents,
     )
 
 
@@ -265,6 +328,11 @@ def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
         def call():
             logits, batch = prepare()
             return sample(logits, batch, positions=inp.positions, strict=False)
+    elif case.op == "verify_tree":
+        def call():
+            logits, batch = prepare()
+            return verify_tree(logits, inp.drafts, inp.parents, inp.num_draft, batch,
+                               positions=inp.positions, strict=False)
     else:
         def call():
             logits, batch = prepare()
@@ -430,7 +498,7 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
             res["host_us"] = host_us(fn, cfg.device)
         except Exception as exc:  # recorded in the report; the other cases still run
             res["error"] = f"{type(exc).__name__}: {exc}"
-        if res["error"] is None and cfg.graphs:
+        if res["error"] is None and cfg.graphs and case.op != "verify_tree":
             try:
                 graph, _ = capture_graph(fn)
                 res["graph_us"] = time_us(graph.replay, cfg.device, warmup_ms=cfg.warmup_ms,
@@ -465,7 +533,7 @@ def best_us(variant: dict) -> float | None:
 def acceptance(case: Case, inp: Inputs, output) -> dict:
     """Mean accepted drafts and the number of sampled requests that rejected a draft (each
     needs a second read of its rejected (target, draft) row pair when drafts carry logits)."""
-    if case.op != "verify" or output is None:
+    if case.op not in ("verify", "verify_tree") or output is None:
         return {"mean_accepted": None, "rejected_sampled": 0}
     acc = output.num_accepted
     sampled = inp.batch.temperature > 0
@@ -514,6 +582,8 @@ def check_targets(case: Case, fused: dict, floor_target_us: float, cuda: bool,
     if case.op == "sample" and case.batch == 128:
         ratio = None if fused["graph_us"] is None else fused["graph_us"] / floor_target_us
         add("graph time / floor", ratio, SAMPLE_FLOOR_RATIO)
+    if case.op == "verify_tree" and case.batch == 32 and case.k == 64:
+        add("eager time / floor", None if t is None else t / floor_target_us, TREE_FLOOR_RATIO)
     return out
 
 
@@ -569,6 +639,10 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
               for f in args.options for b in args.batch_sizes]
     cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
               for f in args.options for b in args.sample_batch_sizes]
+    for m in args.trees:  # each tree beside the same rows verified as one chain
+        for b in args.batch_sizes:
+            cases += [Case(op, "onehot", "1.0", b, m, args.vocab, args.dtype, shape=shape)
+                      for op, shape in (("verify_tree", "tree"), ("verify", "chain"))]
     return cases
 
 
@@ -635,7 +709,8 @@ def plot(results: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     def kind(r: dict) -> tuple:
-        return r["op"], r["draft"], r.get("method", "token")
+        tag = f"{r['shape']}{r['k']}" if r.get("shape") else ""
+        return r["op"], r["draft"], r.get("method", "token"), tag
 
     def setting(r: dict) -> str:
         return r.get("options") or f"T={r['temperature']}"
@@ -647,10 +722,10 @@ def plot(results: list[dict], path: Path) -> bool:
     lines = (("fused", "eager_us", "o-", "fused eager"), ("fused", "graph_us", "s-",
              "fused graph"), ("unfused", "eager_us", "o--", "unfused eager"),
              ("unfused", "graph_us", "s--", "unfused graph"))
-    for (op, draft, method), row in zip(kinds, axes, strict=True):
+    for (op, draft, method, tag), row in zip(kinds, axes, strict=True):
         for temp, ax in zip(temps, row, strict=True):
             sel = sorted((r for r in results if (*kind(r), setting(r)) ==
-                          (op, draft, method, temp)), key=lambda r: r["batch"])
+                          (op, draft, method, tag, temp)), key=lambda r: r["batch"])
             if not sel:
                 ax.axis("off")
                 continue
@@ -663,7 +738,8 @@ def plot(results: list[dict], path: Path) -> bool:
             ratio = SAMPLE_FLOOR_RATIO if op == "sample" else VERIFY_FLOOR_RATIO
             ax.plot(bs, [ratio * r["floor_target_us"] for r in sel], color="0.6", lw=0.8,
                     label=f"{ratio}x floor")
-            name = " ".join(x for x in (op, draft, "block" if method == "block" else "", temp) if x)
+            name = " ".join(x for x in (op, draft, "block" if method == "block" else "", tag,
+                                        temp) if x)
             ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time (us)",
                    title=name)
             ax.set_xticks(bs, [str(b) for b in bs])
@@ -808,6 +884,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--options", type=_option_list, default=list(OPTION_CASES),
                    metavar="LABEL,...", help="option cases (one-hot verify and sample): "
                    + ", ".join(OPTION_CASES) + " (default: all; 'none' for none)")
+    p.add_argument("--trees", type=_int_list, nargs="?", const=[16, 64], default=[],
+                   metavar="M,M,...", help="also verify_tree() of one-hot trees of M nodes per "
+                   "request (default 16,64; 4 children at the root, then 2 per node, "
+                   "breadth-first), T=1, each beside one chain of M drafts (the same rows)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the target and draft logits (bfloat16)")
     p.add_argument("--quick", action="store_true",
@@ -907,7 +987,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "copy_bandwidth_bytes_per_s": bandwidth, "cases": []}
     results = report["cases"]
     for case in protocol_cases(args):
-        protocol_vocab = case.vocab == (151936 if case.op == "verify" else 248320)
+        protocol_vocab = case.vocab == (248320 if case.op == "sample" else 151936)
         results.append(run_case(case, cfg, bandwidth, protocol_vocab))
         # Rewritten after every case, so an interrupted run still leaves its results.
         (out / "bench.json").write_text(json.dumps(report, indent=2))
