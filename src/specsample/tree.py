@@ -170,15 +170,14 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     width = int(rank.max()) + 1 if total else 0
     children = np.full((rows, width), -1, dtype=np.int64)
     children[par_sorted, rank] = node_row[order]
-    # Root-to-node paths.
+    # Root-to-node paths, level by level: a node's path is its parent's, then itself.
     path_rows = np.full((rows, d_max + 1), -1, dtype=np.int64)
-    cur = np.arange(rows, dtype=np.int64)
-    live = np.ones(rows, dtype=bool)
-    for _ in range(d_max + 1):
-        r = np.flatnonzero(live)
-        path_rows[r, depth[cur[r]]] = cur[r]
-        cur = np.where(live, row_parent[cur], -1)
-        live = cur >= 0
+    roots = np.flatnonzero(depth == 0)
+    path_rows[roots, 0] = roots
+    for d in range(1, d_max + 1):
+        r = np.flatnonzero(depth == d)
+        path_rows[r] = path_rows[row_parent[r]]
+        path_rows[r, d] = r
     path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)], -1)
 
     def dev(a: np.ndarray) -> torch.Tensor:
