@@ -218,3 +218,23 @@ def test_gpu_capture_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="CUDA-graph capture"):
         with torch.cuda.graph(graph):
             specsample.verify_tree(logits, tok, par, ms, batch, positions=pos, strict=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(top_k=50, top_p=0.9)])
+def test_gpu_no_host_sync_after_the_layout(kw):
+    from specsample import tree as tree_mod
+    from specsample.triton_backend import tree as triton_tree
+
+    logits, tok, par, ms, batch, pos = _case(25, 8, 151_936, torch.bfloat16, "mixed", **kw)
+    layout = tree_mod.build_tree_layout(tuple(ms), torch.tensor(par, dtype=torch.int64),
+                                        torch.tensor(tok, dtype=torch.int64), logits.device)
+    plan = tree_mod._tree_plan(logits, batch, pos, layout)
+    ref, _ = triton_tree.run_tree(plan)  # (compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = triton_tree.run_tree(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.token_ids, ref.token_ids)
