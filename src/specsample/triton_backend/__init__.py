@@ -10,6 +10,8 @@ Paths (``specsample.paths``):
 * ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias,
   penalties or bans; the processed float32 logits are materialised by ``specsample.processing``
   (PyTorch), then the same kernels run on them (a counted fallback).
+* ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
+  deterministic trees, the same launches over the node rows (``tree.py``).
 * ``triton.logprobs``: logprobs were asked for; the emitted rows are gathered and their
   log-distributions computed with PyTorch from the kernels' row statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
