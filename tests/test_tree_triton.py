@@ -1,8 +1,8 @@
-"""verify_tree on the Triton backend (deterministic trees): the same outputs as the torch
-backend.
+"""verify_tree on the Triton backend: the same outputs as the torch backend.
 
 Both backends draw each node row's target token with ``sample()``'s noise at position
-``positions[i] + depth`` and walk the same way, so tokens, num_accepted, accepted_node_ids and
+``positions[i] + depth`` and walk the same way (draft_probs trees: recursive rejection
+sampling on the same distributions), so tokens, num_accepted, accepted_node_ids and
 invalid must be identical, logprobs equal to float32 rounding (1e-5) with identical ids. On
 CPU the kernels run in Triton's interpreter (V <= 4096); the ``gpu`` tests repeat the check at
 V = 151,936 on CUDA and check CUDA-graph capture is refused with a ValueError (the tree layout
@@ -189,15 +189,20 @@ def test_empty_trees(monkeypatch):
         assert out.token_ids.shape == (3, width)
 
 
-def test_draft_probs_trees_stay_on_torch(monkeypatch):
-    case = list(_case(17, 3, 300, torch.float32, "sampled"))
-    logits = case[0]
-    q = torch.softmax(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)),
-                      -1).to(DEVICE)
+@pytest.mark.parametrize("mode,kw,dv", [("sampled", {}, 300), ("mixed", dict(top_p=0.9), 250),
+                                        ("mixed", dict(presence_penalty=0.4), 300)])
+def test_draft_probs_trees(monkeypatch, mode, kw, dv):
+    # Recursive rejection sampling on the visited rows' distributions from the kernels' row
+    # statistics: the same walk as the torch backend's (random inputs: no near-ties).
+    case = list(_case(17, 6, 300, torch.float32, mode, logprobs=1, **kw))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.softmax(torch.randn(case[0].shape[0], dv, generator=gen) * 2, -1).to(DEVICE)
     ref, out, counts = run_both(monkeypatch, *case, draft_probs=q)
     assert_same(ref, out)
-    assert counts["torch.verify_tree.draft_probs"]["calls"] == 1
-    assert not any(k.startswith("triton.verify_tree") for k in counts)
+    kind = "general" if "presence_penalty" in kw else "filtered" if kw else "fused"
+    assert counts[f"triton.verify_tree.draft_probs.{kind}"]["calls"] == 1
+    assert not any(k.startswith("torch.") for k in counts)
+    assert int(out.num_accepted.max()) >= 1
 
 
 @pytest.mark.gpu
@@ -205,6 +210,15 @@ def test_draft_probs_trees_stay_on_torch(monkeypatch):
 def test_gpu_full_vocabulary(monkeypatch, kw):
     case = _case(21, 8, 151_936, torch.bfloat16, "mixed", logprobs=2, **kw)
     ref, out, _ = run_both(monkeypatch, *case)
+    assert_same(ref, out)
+
+
+@pytest.mark.gpu
+def test_gpu_full_vocabulary_draft_probs(monkeypatch):
+    case = _case(22, 8, 151_936, torch.bfloat16, "mixed", logprobs=1, top_p=0.95)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.softmax(torch.randn(case[0].shape[0], 151_936, generator=gen) * 3, -1)
+    ref, out, _ = run_both(monkeypatch, *case, draft_probs=q.to(DEVICE))
     assert_same(ref, out)
 
 

@@ -336,10 +336,12 @@ def _walk_match(tree: TreeLayout, y: torch.Tensor, start: torch.Tensor) -> torch
     return cur
 
 
-def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor,
-              draft_probs: torch.Tensor, req_idx: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _walk_rrs(plan: TreePlan, logp, y: torch.Tensor, draft_probs: torch.Tensor,
+              req_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling (Jeon et al. 2024, Alg. 1) for requests ``req_idx``.
+
+    ``logp(rows)``: the [len(rows), V] float32 processed log-distributions of target rows
+    ``rows`` (-inf where a filter or ban dropped a token), from the backend that drew ``y``.
 
     Returns ([n] final row, [n] emitted token) of each of those requests. At the current node
     (depth d) child k (0-based, node-number order) is accepted iff
@@ -351,7 +353,7 @@ def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tenso
     """
     tree, batch = plan.tree, plan.batch
     v = plan.vocab_size
-    dev = z.device
+    dev = y.device
     n = req_idx.shape[0]
     cur = tree.row_start[req_idx].clone()
     emitted = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -367,7 +369,8 @@ def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tenso
         done |= leaf
         if bool(done.all()):
             break
-        p = torch.exp(z[cur] - lse[cur, None])
+        lp = logp(cur)
+        p = torch.exp(lp)
         q = _draft_rows(draft_probs, cur, v)
         nxt = torch.full_like(cur, -1)
         last_w = torch.zeros_like(p)
@@ -378,8 +381,7 @@ def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tenso
                 break
             c = tree.row_token[child.clamp_min(0)].clamp(0, v - 1)[:, None]
             # (k = 0: verify()'s float32 operations, so a chain is verify(method="token"))
-            p_c = (torch.exp(z[cur].gather(1, c) - lse[cur, None]) if k == 0
-                   else p.gather(1, c)).squeeze(1)
+            p_c = (torch.exp(lp.gather(1, c)) if k == 0 else p.gather(1, c)).squeeze(1)
             q_c = q.gather(1, c).squeeze(1)
             u = rng.uniform(seed_lo, seed_hi, pos0 + d, torch.full_like(cur, k),
                             rng.STREAM_ACCEPT)
@@ -413,10 +415,9 @@ def _walk_rrs(plan: TreePlan, z: torch.Tensor, lse: torch.Tensor, y: torch.Tenso
     return cur, emitted
 
 
-def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
-              ) -> tuple[TreeVerifyOutput, torch.Tensor]:
-    """Verify every request's tree (module docstring); returns the output and the [N] ERR_*
-    bitmask."""
+def _run_tree(plan: TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
+    """Verify every request's tree (module docstring; ``plan.draft_probs`` or None) on the
+    PyTorch backend; returns the output and the [N] ERR_* bitmask."""
     batch, tree = plan.batch, plan.tree
     plan, z, err = _processed(plan)
     invalid = err != 0
@@ -426,22 +427,34 @@ def _run_tree(plan: TreePlan, draft_probs: torch.Tensor | None
     pos = plan.positions[req] + tree.row_depth
     y = torch_backend.sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req],
                                   batch.seed_hi[req], pos)
-    final = _walk_match(tree, y, tree.row_start)
-    emit = y[final]
-    if draft_probs is not None:
-        use = ~greedy_req & ~invalid
-        if bool(use.any()):
-            idx = use.nonzero().squeeze(1)
-            f, e = _walk_rrs(plan, z, lse, y, draft_probs, idx)
-            final = final.clone()
-            emit = emit.clone()
-            final[idx], emit[idx] = f, e
+    final, emit = walk(plan, y, invalid, lambda r: z[r] - lse[r, None])
     processed = None
     if batch.max_logprobs >= 0:
         def processed(r: torch.Tensor, t: torch.Tensor | None = None):
             return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
 
     return assemble_output(plan, final, emit, invalid, processed), err
+
+
+def walk(plan: TreePlan, y: torch.Tensor, invalid: torch.Tensor, logp
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] final row, [N] emitted token) of every request's walk (both backends): the
+    sample-and-match walk on the rows' target tokens ``y`` [R] int64, or with
+    ``plan.draft_probs`` recursive rejection sampling (:func:`_walk_rrs`, ``logp`` the
+    processed log-distributions of rows) for the sampled valid requests (host synchronisations:
+    the walk checks which requests are still walking)."""
+    tree = plan.tree
+    final = _walk_match(tree, y, tree.row_start)
+    emit = y[final]
+    if plan.draft_probs is not None:
+        use = ~(plan.batch.temperature == 0) & ~invalid
+        if bool(use.any()):
+            idx = use.nonzero().squeeze(1)
+            f, e = _walk_rrs(plan, logp, y, plan.draft_probs, idx)
+            final = final.clone()
+            emit = emit.clone()
+            final[idx], emit[idx] = f, e
+    return final, emit
 
 
 def assemble_output(plan: TreePlan, final: torch.Tensor, emit: torch.Tensor,
@@ -511,11 +524,10 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         [N, D + 1, 1 + n] or None, invalid [N] bool.
 
     The tree layout is read on the host (one synchronisation for device tensors). Backends
-    (``api.select_backend``): deterministic trees run on the Triton kernels on CUDA (paths
-    ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``, see
-    ``specsample.triton_backend.tree``) and on the PyTorch backend elsewhere
-    (``torch.verify_tree.onehot``); trees with ``draft_probs`` run on the PyTorch backend on
-    every device (``torch.verify_tree.draft_probs``).
+    (``api.select_backend``): on the Triton backend the kernels draw every node row and the
+    walk is PyTorch's (paths ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``,
+    ``triton.verify_tree.draft_probs.*`` with draft_probs; ``specsample.triton_backend.tree``);
+    on the PyTorch backend ``torch.verify_tree.onehot`` / ``torch.verify_tree.draft_probs``.
 
     Raises:
         ValueError: wrong types, shapes, dtypes or devices; a num_nodes entry < 0; a parent
@@ -564,15 +576,16 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     plan = _tree_plan(target_logits, batch, pos, tree)
     plan = dataclasses.replace(plan, draft_probs=draft_probs)
     # Recorded before running, so that a forbidden path raises before doing any work.
-    if draft_probs is None and api.select_backend(device) == "triton":
+    if api.select_backend(device) == "triton":
         from .triton_backend import tree as triton_tree
 
-        paths.record(f"triton.verify_tree.{triton_tree.path_kind(batch)}", n + total)
+        kind = ("" if draft_probs is None else "draft_probs.") + triton_tree.path_kind(batch)
+        paths.record(f"triton.verify_tree.{kind}", n + total)
         out, err = triton_tree.run_tree(plan)
     else:
         kind = "onehot" if draft_probs is None else "draft_probs"
         paths.record(f"torch.verify_tree.{kind}", n + total)
-        out, err = _run_tree(plan, draft_probs)
+        out, err = _run_tree(plan)
     n_greedy = sum(p.greedy for p in batch.params)
     if n_greedy:
         paths.record("requests.greedy", n_greedy)

@@ -1,5 +1,4 @@
-"""``specsample.verify_tree`` for deterministic trees (``draft_probs=None``) on the Triton
-kernels.
+"""``specsample.verify_tree`` on the Triton kernels.
 
 A deterministic tree's target token at a node is the node row's own ``sample()`` draw at
 position ``positions[i] + depth`` (docs/semantics.md, "Tree verification"), which is exactly
@@ -8,12 +7,15 @@ So the tree's rows go through the same launches as ``verify()``'s (``draw_rows``
 statistics kernel, the filter kernels when min_p / top_k / top_p are on, ``sample_kernel``)
 with ``row_j`` = the node's depth and every row live (``k_given`` = the batch's deepest depth D
 and D zero draft ids, so ``kernels._k_eff`` is D for every request). The walk and the outputs
-are the PyTorch backend's (``specsample.tree._walk_match``, ``assemble_output``), the logprobs
-come from the kernels' row statistics as in ``triton_backend.run``.
+are the PyTorch backend's (``specsample.tree.walk``, ``assemble_output``), the logprobs come
+from the kernels' row statistics as in ``triton_backend.run``. Trees with ``draft_probs``
+draw their rows the same way, then walk by the PyTorch backend's recursive rejection sampling
+on the visited rows' distributions from those statistics.
 
 Paths: ``triton.verify_tree.fused`` / ``.filtered`` (the model's own logits, no host
 synchronisation) and ``.general`` (logit_bias, penalties or bans: the rows are processed in
-PyTorch by ``specsample.tree._processed``, then the kernels draw at T = 1), recorded by
+PyTorch by ``specsample.tree._processed``, then the kernels draw at T = 1); with draft_probs
+``triton.verify_tree.draft_probs.fused`` / ``.filtered`` / ``.general``; recorded by
 ``specsample.tree.verify_tree``; ``triton.logprobs`` when logprobs are asked for.
 """
 
@@ -41,14 +43,19 @@ def path_kind(batch) -> str:
 
 
 def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
-    """Verify the deterministic trees of ``plan`` (a ``specsample.tree.TreePlan`` without
-    draft_probs; R = N + M rows, logits [R, V] float32 / float16 / bfloat16) on the kernels.
+    """Verify the trees of ``plan`` (a ``specsample.tree.TreePlan``; R = N + M rows, logits
+    [R, V] float32 / float16 / bfloat16) with the node rows drawn by the kernels. With
+    ``plan.draft_probs`` the sampled requests walk by recursive rejection sampling
+    (``specsample.tree._walk_rrs``, PyTorch) on the processed distributions of the rows they
+    visit, computed from the kernels' row statistics (N rows per depth, no [R, V] float32
+    copy on the fused and filtered paths; host synchronisations as the PyTorch walk's).
 
     Returns (TreeVerifyOutput, [N] int64 ERR_* bitmask), the same as
     ``specsample.tree._run_tree``: NaN / +inf logits or no finite logit in any row of the
-    request (from the kernels' row flags), node tokens outside [0, V); on the general path the
-    processing's own bits (bans that leave no token, bias / penalty overflow). No host
-    synchronisation on the fused and filtered paths.
+    request (from the kernels' row flags), node tokens outside [0, V), invalid draft_probs
+    rows of nodes with children; on the general path the processing's own bits (bans that
+    leave no token, bias / penalty overflow). No host synchronisation on the fused and
+    filtered paths without draft_probs.
     """
     batch, tree = plan.batch, plan.tree
     dev = plan.logits.device
@@ -70,12 +77,13 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         flags = stats[:, 2].to(torch.int32)
         row_max = torch.where((flags & _FLAG_BAD) != 0, math.nan,
                               torch.where((flags & _FLAG_FINITE) != 0, 0.0, -math.inf))
-        err = tree_mod._tree_errors(plan, None, row_max)
+        err = tree_mod._tree_errors(plan, plan.draft_probs, row_max)
     invalid = err != 0
     y = y.to(torch.int64)
-    final = tree_mod._walk_match(tree, y, tree.row_start)
-    processed = None
+    processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
+    final, emit = tree_mod.walk(plan, y, invalid, lambda r: processed(r)[0])
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs", plan.num_rows)
-        processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
-    return tree_mod.assemble_output(plan, final, y[final], invalid, processed), err
+    else:
+        processed = None
+    return tree_mod.assemble_output(plan, final, emit, invalid, processed), err
