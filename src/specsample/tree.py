@@ -1,6 +1,6 @@
 """Exact token-tree verification (``specsample.verify_tree``): the PyTorch backend, the layout
-and the dispatch (deterministic trees run on the Triton kernels with the Triton backend:
-``specsample.triton_backend.tree``).
+and the dispatch (with the Triton backend the kernels draw the node rows, then the walks here
+run: ``specsample.triton_backend.tree``).
 
 Request i drafted a tree of m_i nodes numbered 1..m_i in topological order (a node's parent
 has a smaller number); node 0 is the root, the request's last committed token. The target
