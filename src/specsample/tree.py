@@ -323,16 +323,19 @@ def _draft_rows(draft_probs: torch.Tensor, rows: torch.Tensor, vocab: int) -> to
 
 def _walk_match(tree: TreeLayout, y: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """[N] final row of each request's sample-and-match walk from its root ``start``: descend
-    while the row's target token ``y`` is one of its children's tokens."""
+    while the row's target token ``y`` is one of its children's tokens. Every row's matching
+    child is found at once (siblings hold distinct tokens: at most one), then the walk follows
+    those links D times (few small launches: the host time of a device call)."""
     cur = start.clone()
     if not tree.children.shape[1]:
         return cur
+    kids = tree.children
+    match = (kids >= 0) & (tree.row_token[kids.clamp_min(0)] == y[:, None])
+    first = kids.gather(1, match.to(torch.int64).argmax(1, keepdim=True)).squeeze(1)
+    nxt = torch.where(match.any(1), first, -1)  # [R] the child holding y, -1 if none
     for _ in range(tree.depth):
-        kids = tree.children[cur]
-        match = (kids >= 0) & (tree.row_token[kids.clamp_min(0)] == y[cur][:, None])
-        has = match.any(1)
-        nxt = kids.gather(1, match.to(torch.int64).argmax(1, keepdim=True)).squeeze(1)
-        cur = torch.where(has, nxt, cur)
+        step = nxt[cur]
+        cur = torch.where(step >= 0, step, cur)
     return cur
 
 
