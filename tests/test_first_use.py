@@ -70,3 +70,19 @@ def test_triton_backend_on_cpu_switches_the_interpreter_on():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+def test_verify_arguments_in_the_wrong_order_get_a_hint():
+    batch = SamplingBatch.from_params([SamplingParams(seed=0)], vocab_size=8)
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="the order is verify\\(target_logits, draft_token_ids"):
+        verify(logits, torch.tensor([1, 2]), batch, [2], positions=[0])
+
+
+def test_float_draft_tensors_name_their_dtype():
+    batch = SamplingBatch.from_params([SamplingParams(seed=0)], vocab_size=8)
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="got a 1-D torch.float32 tensor"):
+        verify(logits, torch.tensor([1.0, 2.0]), [2], batch, positions=[0])
+    with pytest.raises(ValueError, match="got a 1-D torch.float32 tensor"):
+        verify(logits, torch.tensor([1, 2]), torch.tensor([2.0]), batch, positions=[0])

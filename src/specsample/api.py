@@ -331,6 +331,11 @@ def verify(
             leave no token, a device num_draft_tokens that does not fit).
     """
     _check_not_capturing(strict, "verify")
+    if not isinstance(batch, SamplingBatch) and isinstance(num_draft_tokens, SamplingBatch):
+        raise ValueError("verify(): batch must be a SamplingBatch, got "
+                         f"{type(batch).__name__}, and num_draft_tokens is a SamplingBatch: the "
+                         "order is verify(target_logits, draft_token_ids, num_draft_tokens, "
+                         "batch, ...)")
     _check_batch(batch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                       num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,

@@ -982,6 +982,10 @@ def run_bench(args: argparse.Namespace) -> int:
                                cpu_repeats=args.repeats)
     print(f"device {device} ({cfg.backend} backend), copy bandwidth {bandwidth / 1e12:.3f} TB/s",
           flush=True)
+    if not _cuda(device) and not args.quick:
+        print("note: no CUDA device; the protocol's GPU sizes on the CPU take minutes per case "
+              "(--quick: smoke-test sizes; --cpu-check: the CPU path against softmax)",
+              flush=True)
     report = {"environment": environment(device, cfg.backend), "args": {
         k: v for k, v in vars(args).items() if not callable(v)},
         "copy_bandwidth_bytes_per_s": bandwidth, "cases": []}

@@ -153,9 +153,11 @@ def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
     from .engine.models import ModelNotFoundError, resolve_model_path
 
     if args.drafter not in DRAFTERS:
-        raise CLIError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        raise CLIError(f"--drafter: unknown drafter {args.drafter!r}; choose one of "
+                       f"{', '.join(DRAFTERS)}")
     if args.method not in METHODS:
-        raise CLIError(f"unknown method {args.method!r}; choose one of {', '.join(METHODS)}")
+        raise CLIError(f"--method: unknown method {args.method!r}; choose one of "
+                       f"{', '.join(METHODS)}")
     if args.num_speculative_tokens < 0:
         raise CLIError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     if args.max_new_tokens < 1:

@@ -184,7 +184,8 @@ def _is_device_tensor(t) -> bool:
 def _check_num_draft_tensor(t: torch.Tensor, n: int) -> None:
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
             t.dtype == torch.bool):
-        raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints")
+        raise ValueError("num_draft_tokens must be a 1-D integer tensor or a list of ints, "
+                         f"got a {t.dim()}-D {t.dtype} tensor")
     if t.shape[0] != n:
         raise ValueError(f"num_draft_tokens has {t.shape[0]} entries for {n} requests")
 
@@ -326,7 +327,8 @@ def build_plan(
     if draft_token_ids.dim() != 1 or draft_token_ids.dtype.is_floating_point or (
         draft_token_ids.dtype == torch.bool
     ):
-        raise ValueError("draft_token_ids must be a 1-D integer tensor")
+        raise ValueError("draft_token_ids must be a 1-D integer tensor, got a "
+                         f"{draft_token_ids.dim()}-D {draft_token_ids.dtype} tensor")
     on_device = max_k is not None and _is_device_tensor(num_draft_tokens)
     if on_device:
         _check_num_draft_tensor(num_draft_tokens, n)
