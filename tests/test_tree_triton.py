@@ -252,3 +252,20 @@ def test_gpu_no_host_sync_after_the_layout(kw):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.token_ids, ref.token_ids)
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_covers_trees():
+    # verify_tree launches the kernels verify() uses: warmup() leaves nothing to compile.
+    from specsample import triton_backend
+
+    vocab = 32000
+    try:
+        specsample.warmup("cuda", vocab_size=vocab, dtypes=(torch.bfloat16, torch.float32),
+                          on_compile="raise")
+        for kw in ({}, dict(top_k=20, top_p=0.9), dict(presence_penalty=0.5)):
+            case = _case(27, 6, vocab, torch.bfloat16, "mixed", logprobs=1, **kw)
+            specsample.verify_tree(*case[:5], positions=case[5], strict=False)
+        assert triton_backend.compilations_after_warmup() == []
+    finally:
+        triton_backend.disarm_compile_guard()
