@@ -55,7 +55,7 @@ from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch
 from .plan import FLOAT_DTYPES, METHODS, Plan, build_plan, fresh_positions
-from .processing import _round_up_f32, apply_bans, apply_bias_and_penalties
+from .processing import apply_bans, apply_bias_and_penalties, filter_settings
 from .torch_backend import (
     ERR_BANS,
     ERR_DRAFT_ID,
@@ -63,6 +63,7 @@ from .torch_backend import (
     ERR_LOGITS_NAN,
     ERR_LOGITS_NO_FINITE,
     ERR_PROCESSED_OVERFLOW,
+    accepted_grid,
     top_n_logprobs,
 )
 
@@ -482,20 +483,8 @@ def _filter_drop(comm: _Comm, geo: _Geometry, y: torch.Tensor, m: torch.Tensor,
     nucleus boundary counts only when the first token it excludes ranks at or before F, else
     c grows fourfold for the rows not found (every rank decides alike from the gathered lists).
     """
-    batch, req = plan.batch, plan.row_req
     v, off, w = geo.vocab, geo.offset(), y.shape[1]
-    sampled = batch.temperature[req] > 0
-    t64 = batch.temperature[req].double()
-    drop = None
-    min_p = batch.min_p[req]
-    on = sampled & (min_p > 0)
-    if bool(on.any()):
-        cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
-        drop = on[:, None] & (y < cut[:, None])
-    k = batch.top_k[req]
-    k_on = sampled & (k > 0) & (k < v)
-    top_p = batch.top_p[req]
-    p_on = sampled & (top_p < 1)
+    drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v)
     rows = k_on | p_on
     if not bool(rows.any()):
         return drop
@@ -833,19 +822,9 @@ def _run(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
         ridx, ar, r, nonzero = res_info
         emit = emit.clone()
         emit[ridx, ar] = torch.where(nonzero, drawn[-1], y_tok[r])
-    k_eff = plan.k_eff
-    live_j = torch.arange(k, device=dev) < k_eff[:, None]
-    num_accepted = torch.cumprod((accept & live_j).to(torch.int64), dim=1).sum(1)
-    num_accepted = torch.where(invalid, 0, num_accepted)
-    j = torch.arange(k + 1, device=dev)
-    d_full = torch.nn.functional.pad(d, (0, 1), value=-1)
-    emitted_tok = emit.gather(1, num_accepted[:, None])
-    token_ids = torch.where(j < num_accepted[:, None], d_full,
-                            torch.where(j == num_accepted[:, None], emitted_tok, -1))
-    token_ids = torch.where(invalid[:, None], -1, token_ids)
+    num_accepted, token_ids, emitted = accepted_grid(accept, d, emit, plan.k_eff, invalid)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
-        emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
         logprobs, logprob_ids = _logprobs(call, z_rows, lse, got[0].amax(0), rows, token_ids,
                                           emitted, modes)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,

@@ -152,6 +152,29 @@ def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t32.double() < t, up, t32)
 
 
+def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int) -> tuple:
+    """Per-row filter settings of ``plan``'s rows and min_p's decision (sampled rows only):
+    (drop [T, W] bool or None, t64 [T] float64 temperature, top_k [T], k_on [T], top_p [T]
+    float64, p_on [T]). ``y`` [T, W]: the rows (or a vocabulary shard of them) before
+    temperature; ``m`` [T]: the rows' global maxima; ``vocab``: the global V (top_k >= V is
+    off). min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
+    float32 (exact for float32 values)."""
+    batch, req = plan.batch, plan.row_req
+    sampled = batch.temperature[req] > 0
+    t64 = batch.temperature[req].double()
+    drop = None
+    min_p = batch.min_p[req]
+    on = sampled & (min_p > 0)
+    if bool(on.any()):
+        cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
+        drop = y < torch.where(on, cut, -math.inf)[:, None]
+    k = batch.top_k[req]
+    k_on = sampled & (k > 0) & (k < vocab)
+    top_p = batch.top_p[req]
+    p_on = sampled & (top_p < 1)
+    return drop, t64, k, k_on, top_p, p_on
+
+
 def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | None:
     """[T, V] bool: the tokens that min_p -> top_k -> top_p drop (sampled rows only), or None.
 
@@ -169,21 +192,8 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
       (float64, relative error about 1e-16 per token, so nothing saturates at 1);
       :func:`_nucleus` ranks only the top candidates.
     """
-    batch = plan.batch
-    req = plan.row_req
     v = y.shape[1]
-    sampled = batch.temperature[req] > 0
-    t64 = batch.temperature[req].double()
-    drop = None
-    min_p = batch.min_p[req]
-    on = sampled & (min_p > 0)
-    if bool(on.any()):
-        cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
-        drop = y < torch.where(on, cut, -math.inf)[:, None]
-    k = batch.top_k[req]
-    k_on = sampled & (k > 0) & (k < v)
-    top_p = batch.top_p[req]
-    p_on = sampled & (top_p < 1)
+    drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v)
     rows = k_on | p_on
     if not bool(rows.any()):
         return drop

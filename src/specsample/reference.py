@@ -610,6 +610,21 @@ def _verify_one(rows: list[ProcessedRow], drafts: list[int], qs: list[tuple[np.n
 # --------------------------------------------------------------------------------------------
 
 
+def _request_context(batch: SamplingBatch, positions, n: int) -> tuple[list, ...]:
+    """Per request, on the host: (positions, 64-bit seeds, prompt tokens, output tokens,
+    context tail, output count). ``positions=None`` takes the batch's fresh positions, as the
+    public functions do (advancing its counter)."""
+    if positions is None:
+        positions = fresh_positions(batch)
+    pos_all = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor)
+                                else positions)]
+    seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
+    prompts = _per_request_tokens(batch.prompt_req, batch.prompt_ids, n)
+    outputs = _per_request_tokens(batch.output_req, batch.output_ids, n)
+    tails = [[t for t in row if t >= 0] for row in batch.context_tail.tolist()]
+    return pos_all, seeds, prompts, outputs, tails, batch.num_output.tolist()
+
+
 def _per_request_tokens(req: torch.Tensor, ids: torch.Tensor, n: int) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(n)]
     for r, t in zip(req.tolist(), ids.tolist()):
@@ -677,15 +692,7 @@ def verify(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
         kind, dist = "probs", _as_f64(draft_probs)
     if dist is not None and (dist.shape[0] != sum(ks) or not 1 <= dist.shape[1] <= v):
         raise ValueError(f"draft distribution has shape {tuple(dist.shape)}")
-    if positions is None:  # as the public functions: the batch's counter, then advanced
-        positions = fresh_positions(batch)
-    pos_all = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor)
-                                else positions)]
-    seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
-    prompts = _per_request_tokens(batch.prompt_req, batch.prompt_ids, n)
-    outputs = _per_request_tokens(batch.output_req, batch.output_ids, n)
-    tails = [[t for t in row if t >= 0] for row in batch.context_tail.tolist()]
-    num_outputs = batch.num_output.tolist()
+    pos_all, seeds, prompts, outputs, tails, num_outputs = _request_context(batch, positions, n)
 
     kmax = max(ks) if ks else 0
     nlp = batch.max_logprobs
@@ -1116,15 +1123,7 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     for i, m in enumerate(ms):
         trees.append(_tree_of(par_all[s0:s0 + m], toks_all[s0:s0 + m], i))
         s0 += m
-    if positions is None:
-        positions = fresh_positions(batch)
-    pos_all = [int(p) for p in (positions.tolist() if isinstance(positions, torch.Tensor)
-                                else positions)]
-    seeds = [lo | (hi << 32) for lo, hi in zip(batch.seed_lo.tolist(), batch.seed_hi.tolist())]
-    prompts = _per_request_tokens(batch.prompt_req, batch.prompt_ids, n)
-    outputs = _per_request_tokens(batch.output_req, batch.output_ids, n)
-    tails = [[t for t in row if t >= 0] for row in batch.context_tail.tolist()]
-    num_outputs = batch.num_output.tolist()
+    pos_all, seeds, prompts, outputs, tails, num_outputs = _request_context(batch, positions, n)
     dmax = max((max(depth) for _, depth in trees), default=0)
     nlp = batch.max_logprobs
     lp_shape = (n, dmax + 1, max(nlp, 0) + 1)

@@ -389,6 +389,33 @@ def processed_distribution(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok[:, None], p, 0.0), err
 
 
+def accepted_grid(accept: torch.Tensor, d: torch.Tensor, emit: torch.Tensor,
+                  k_eff: torch.Tensor, invalid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of a verification from its decisions: (num_accepted [N] int64, token_ids
+    [N, K+1] int64, emitted [N, K+1] bool).
+
+    ``accept`` [N, K] bool: draft j passed its test; ``d`` [N, K] int64 the drafts (-1 past
+    k_eff); ``emit`` [N, K+1] int64 the token emitted if the walk stops at j (correction or
+    bonus); ``k_eff`` [N]; ``invalid`` [N] bool (no token, 0 accepted). The accepted length is
+    the leading run of accepts within k_eff; token_ids hold the accepted drafts, the emitted
+    token, then -1.
+    """
+    k = d.shape[1]
+    dev = d.device
+    live_j = torch.arange(k, device=dev) < k_eff[:, None]
+    num_accepted = torch.cumprod((accept & live_j).to(torch.int64), dim=1).sum(1)
+    num_accepted = torch.where(invalid, 0, num_accepted)
+    j = torch.arange(k + 1, device=dev)
+    d_full = torch.nn.functional.pad(d, (0, 1), value=-1)
+    emitted_tok = emit.gather(1, num_accepted[:, None])
+    token_ids = torch.where(j < num_accepted[:, None], d_full,
+                            torch.where(j == num_accepted[:, None], emitted_tok, -1))
+    token_ids = torch.where(invalid[:, None], -1, token_ids)
+    emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
+    return num_accepted, token_ids, emitted
+
+
 def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     """Run one verification (or, with every k_i = 0, one sampling step) on ``plan``.
 
@@ -448,18 +475,9 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
             res = torch.where(w.sum(-1) > 0, res, y[r])
             emit = emit.clone()
             emit[ridx, ar] = res
-    live_j = torch.arange(k, device=z.device) < k_eff[:, None]
-    num_accepted = torch.cumprod((accept & live_j).to(torch.int64), dim=1).sum(1)
-    num_accepted = torch.where(invalid, 0, num_accepted)
-    j = torch.arange(k + 1, device=z.device)
-    d_full = torch.nn.functional.pad(d, (0, 1), value=-1)
-    emitted_tok = emit.gather(1, num_accepted[:, None])
-    token_ids = torch.where(j < num_accepted[:, None], d_full,
-                            torch.where(j == num_accepted[:, None], emitted_tok, -1))
-    token_ids = torch.where(invalid[:, None], -1, token_ids)
+    num_accepted, token_ids, emitted = accepted_grid(accept, d, emit, k_eff, invalid)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
-        emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
         def processed(r: torch.Tensor, t: torch.Tensor | None = None):
             return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
 
