@@ -252,17 +252,19 @@ def top_n_logprobs(lp: torch.Tensor, n: int,
     exact where ``lp = rank - log-normaliser`` may round distinct values together), and their
     ids, ordered by rank value then lower id first (ties), padded with -inf / -1 when n > V.
 
-    No sort of the row and no host synchronisation beyond one flag: one ``torch.topk`` of
-    n + 1 values; when the (n+1)-th value is below the n-th in every row (no tie crosses the
-    boundary) those n are the answer, else the entries tied with the n-th value are taken
-    lowest ids first (a second top-k over the tied ids). The n chosen entries are ordered by
-    (value, id) with two small stable sorts.
+    No sort of the row: one ``torch.topk`` of n + 1 values; the entries tied with the n-th
+    value are then taken lowest ids first (a second top-k over the tied ids). On CPU that
+    second pass runs only when a tie crosses the boundary (when the (n+1)-th value equals the
+    n-th in some row); on a device it always runs, since asking would synchronise with the
+    host (and break CUDA-graph capture). The n chosen entries are ordered by (value, id) with
+    two small stable sorts.
     """
     ranked = lp if rank is None else rank
     r, v = ranked.shape
     k = min(n, v)
     vals, ids = torch.topk(ranked, min(k + 1, v), dim=-1)
-    if k < v and not bool((vals[:, k] < vals[:, k - 1]).all()):
+    if k < v and (ranked.device.type != "cpu"
+                  or not bool((vals[:, k] < vals[:, k - 1]).all())):
         # A tie group crosses the boundary (or a NaN row): lowest tied ids first.
         lp0 = ranked.float() + 0.0  # -0.0 ties with 0.0
         last = vals[:, k - 1:k].float() + 0.0
