@@ -179,6 +179,17 @@ def _warmup_then_no_compilation():
             [SamplingParams(temperature=0.5, top_k=3, seed=1)] * 5, vocab_size=vocab,
             device="cuda")
         specsample.sample(logits[:5], general, positions=pos, strict=False)
+        for n_top in (0, 5, 20):  # logprobs: raw and processed, fused / filtered / general
+            lp = SamplingBatch.from_params(
+                [SamplingParams(temperature=t, seed=1, logprobs=n_top, logprobs_mode=mode, **kw)
+                 for t, mode, kw in ((0.7, "raw", {}), (1.0, "processed", {}),
+                                     (0.0, "raw", {}))] * 2
+                + [SamplingParams(temperature=0.9, top_p=0.9, seed=2, logprobs=n_top,
+                                  logprobs_mode="processed", **bias)
+                   for bias in ({}, dict(logit_bias={1: 0.5}))], vocab_size=vocab,
+                device="cuda")
+            specsample.sample(logits[:8], lp, positions=torch.arange(8, device="cuda"),
+                              strict=False)
     assert triton_backend.compilations_after_warmup() == []
     paths.reset()
 

@@ -12,8 +12,11 @@ Paths (``specsample.paths``):
   (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
   deterministic trees, the same launches over the node rows (``tree.py``).
-* ``triton.logprobs``: logprobs were asked for; the emitted rows are gathered and their
-  log-distributions computed with PyTorch from the kernels' row statistics.
+* ``triton.logprobs.fused``: logprobs were asked for (top-n up to ``logprobs.NPAD`` = 32):
+  two launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
+* ``triton.logprobs.torch``: more than 32 top-n logprobs, or ``verify_tree()``: the emitted
+  rows are gathered and their log-distributions computed with PyTorch from the kernels' row
+  statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
 
 On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
@@ -22,6 +25,7 @@ before triton is imported); that is how the CPU test suite runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -34,6 +38,7 @@ from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
 from . import filters, kernels
+from . import logprobs as logprobs_kernels
 
 S_MAX = 128  # most vocabulary splits of one row
 # Mantissa bits that are zero in every float32 value converted from the logits' dtype: the
@@ -159,11 +164,13 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
 
 
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
-              filtered: bool):
+              filtered: bool, write_top: bool = False):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
     (``row_j <= k_eff`` of its request, ``kernels.sample_kernel``): x [R, V] the rows (model
     dtype, or the general path's float32 processed logits with ``temp`` all ones), temp [N]
-    float32, draft_ids [>= max k_given] int64 (``kernels._k_eff`` reads them).
+    float32, draft_ids [>= max k_given] int64 (``kernels._k_eff`` reads them); with
+    ``write_top`` (or ``filtered``) the statistics pass also writes each tile's maximum
+    (``tiles[2]``, which the filters and the top-n logprobs read).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles, NT, y [R] int32 each row's
     token, stats [R, 3] float32 (max, log-normaliser, flags), (cut_v, cut_i) the filters'
@@ -172,7 +179,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     batch, dev, rows = plan.batch, x.device, plan.num_rows
     (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
         x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
-        write_tiles=True, write_top=filtered)
+        write_tiles=True, write_top=filtered or write_top)
     y = torch.empty(rows, dtype=torch.int32, device=dev)
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
     cut_v = cut_i = part_m  # (not read unless filtered)
@@ -241,7 +248,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else torch.zeros(
         1, dtype=torch.int64, device=dev)
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i) = draw_rows(
-        x, plan, temp, draft_ids, filtered)
+        x, plan, temp, draft_ids, filtered, write_top=batch.max_logprobs > 0)
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
@@ -317,8 +324,15 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         token_ids = token_ids.masked_fill(bad[:, None], -1)
         num_accepted = num_accepted.masked_fill(bad, 0)
     logprobs = logprob_ids = None
-    if batch.max_logprobs >= 0:
-        paths.record("triton.logprobs", rows)
+    if batch.max_logprobs >= 0 and logprobs_kernels.supported(plan):
+        paths.record("triton.logprobs.fused", rows)
+        raw = _contiguous_rows(plan.logits, "target") if general else x
+        logprobs, logprob_ids = logprobs_kernels.emitted_logprobs(
+            plan, raw, x, temp, stats, filtered, general, cut_v, cut_i, token_ids,
+            num_accepted, invalid, tiles[2] if batch.max_logprobs > 0 else None,
+            _splits(n, plan.vocab_size, 1, dev)[0], warps)
+    elif batch.max_logprobs >= 0:
+        paths.record("triton.logprobs.torch", rows)
         j = torch.arange(k + 1, device=dev)
         grid = (plan.row_start[:, None] + j).clamp_max(rows - 1)
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
@@ -392,7 +406,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
-    and on the general path (float32 processed logits), on
+    and on the general path (float32 processed logits), and sample() with raw and processed
+    logprobs on each of those paths (the logprob kernels), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
@@ -423,7 +438,14 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         for plist in (params, filtered, general):
             batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
             sample(target, batch, positions=pos, strict=False)
-            calls += 1
+            # the logprob kernels: top-n (raw and processed), and the raw normaliser alone
+            for n_top, modes in ((2, ("raw", "processed")), (0, ("processed", "raw"))):
+                with_lp = [dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
+                           for p, mode in zip(plist, modes)]
+                sample(target, SamplingBatch.from_params(with_lp, vocab_size=vocab_size,
+                                                         device=device),
+                       positions=pos, strict=False)
+            calls += 3
             for method in methods:
                 verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
                 calls += 1

@@ -16,7 +16,7 @@ Paths: ``triton.verify_tree.fused`` / ``.filtered`` (the model's own logits, no 
 synchronisation) and ``.general`` (logit_bias, penalties or bans: the rows are processed in
 PyTorch by ``specsample.tree._processed``, then the kernels draw at T = 1); with draft_probs
 ``triton.verify_tree.draft_probs.fused`` / ``.filtered`` / ``.general``; recorded by
-``specsample.tree.verify_tree``; ``triton.logprobs`` when logprobs are asked for.
+``specsample.tree.verify_tree``; ``triton.logprobs.torch`` when logprobs are asked for.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
     final, emit = tree_mod.walk(plan, y, invalid, lambda r: processed(r)[0])
     if batch.max_logprobs >= 0:
-        paths.record("triton.logprobs", plan.num_rows)
+        paths.record("triton.logprobs.torch", plan.num_rows)
     else:
         processed = None
     return tree_mod.assemble_output(plan, final, emit, invalid, processed), err

@@ -1,0 +1,201 @@
+"""Logprobs on the Triton path (``triton_backend/logprobs.py``) compute the torch backend's
+values and ids (docs/semantics.md, Outputs): raw and processed modes mixed in one batch, the
+fused, filtered and general paths, ties (lower id first), -inf entries, more logprobs than the
+vocabulary, invalid requests, sample(), and the PyTorch path past 32. Values also against the
+float64 reference.
+
+On CPU the kernels run in Triton's interpreter (V <= 4096; 4000 gives two vocabulary splits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, paths, reference, torch_backend
+from specsample.plan import build_plan
+
+pytest.importorskip("specsample.triton_backend")
+
+from test_triton_backend import DEVICE, _case  # noqa: E402
+
+MIXED = [(None, "raw"), (0, "raw"), (3, "processed"), (5, "raw"), (0, "processed"),
+         (2, "raw"), (1, "processed")]
+
+
+def _with_logprobs(batch: SamplingBatch, lps, vocab: int) -> SamplingBatch:
+    params = [SamplingParams(**{**p.__dict__, "logprobs": lps[i % len(lps)][0],
+                                "logprobs_mode": lps[i % len(lps)][1]})
+              for i, p in enumerate(batch.params)]
+    n = len(params)
+    return SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                     prompt_token_ids=[[1 % vocab, 2 % vocab]] * n,
+                                     output_token_ids=[[2 % vocab, 5 % vocab]] * n)
+
+
+def _both(logits, d, ks, batch, pos, extra=None, method="token"):
+    """(Triton output, torch backend output, the Triton logprob path that ran)."""
+    extra = extra or {}
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      draft_logits=extra.get("draft_logits"),
+                      draft_probs=extra.get("draft_probs"), positions=pos, method=method)
+    ref, _ = torch_backend.verify(plan)
+    paths.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.verify(logits, d, ks, batch, positions=pos, method=method,
+                                strict=False, **extra)
+    path = [p for p in paths.counts() if p.startswith("triton.logprobs")]
+    return out, ref, path
+
+
+def _assert_same(out, ref):
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu()), (
+        out.logprob_token_ids, ref.logprob_token_ids)
+    a, b = out.logprobs.cpu(), ref.logprobs.cpu()
+    assert torch.equal(torch.isinf(a), torch.isinf(b)), (a, b)
+    fin = torch.isfinite(b)
+    torch.testing.assert_close(a[fin], b[fin], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind,method,processors,dtype,vocab", [
+    ("onehot", "token", False, torch.bfloat16, 4000),
+    ("onehot", "block", "filters", torch.float16, 150),
+    ("onehot", "token", True, torch.float32, 4000),
+    ("draft_logits", "block", False, torch.float32, 150),
+    ("draft_logits", "token", "filters", torch.bfloat16, 4000),
+    ("draft_probs", "token", True, torch.bfloat16, 150),
+    ("draft_probs", "block", "filters", torch.float32, 4000),
+])
+def test_matches_torch_backend(kind, method, processors, dtype, vocab):
+    logits, d, ks, batch, pos, extra = _case(7, 7, vocab, dtype, kind, processors=processors)
+    batch = _with_logprobs(batch, MIXED, vocab)
+    out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("n_top", [5, 20])
+def test_ties_go_to_the_lower_id(n_top):
+    # Logits from {0, 1, 2}: every top-n boundary falls inside a tie group, across splits.
+    gen = torch.Generator().manual_seed(3)
+    vocab = 4000
+    logits = torch.randint(0, 3, (4, vocab), generator=gen).to(torch.bfloat16).to(DEVICE)
+    params = [SamplingParams(temperature=t, seed=i, logprobs=n_top, logprobs_mode=mode, **kw)
+              for i, (t, mode, kw) in enumerate([(1.0, "raw", {}), (0.7, "processed", {}),
+                                                   (0.0, "raw", {}),
+                                                   (0.9, "processed", dict(top_k=7))])]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    pos = torch.arange(4, device=DEVICE)
+    out, ref, _ = _both(logits, d, [0] * 4, batch, pos)
+    _assert_same(out, ref)
+    x = logits.float().cpu()
+    for i in range(3):  # unfiltered rows: the n largest by (value desc, id asc)
+        want = sorted(range(vocab), key=lambda t: (-float(x[i, t]), t))[:n_top]
+        assert out.logprob_token_ids[i, 0, 1:].tolist() == want
+    # the top-k=7 row in processed mode: its 7 survivors, then dropped ids at -inf
+    assert torch.isinf(out.logprobs[3, 0, 8:]).all()
+    assert torch.isfinite(out.logprobs[3, 0, 1:8]).all()
+
+
+def test_neg_inf_entries_and_more_logprobs_than_vocabulary():
+    vocab = 3
+    logits = torch.tensor([[0.5, -math.inf, 0.5], [-math.inf, 2.0, -math.inf]],
+                          device=DEVICE)
+    params = [SamplingParams(temperature=1.0, seed=1, logprobs=5),
+              SamplingParams(temperature=0.5, seed=2, logprobs=2, logprobs_mode="processed")]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, _ = _both(logits, d, [0, 0], batch, torch.arange(2, device=DEVICE))
+    _assert_same(out, ref)
+    assert out.logprob_token_ids[0, 0, 1:].tolist() == [0, 2, 1, -1, -1]
+    assert out.logprob_token_ids[1, 0, 1:3].tolist() == [1, 0]
+    assert out.logprobs[1, 0, 2].item() == -math.inf
+
+
+def test_invalid_requests_get_padding():
+    logits, d, ks, batch, pos, extra = _case(3, 5, 300, torch.float16, "onehot")
+    batch = _with_logprobs(batch, [(3, "raw"), (2, "processed")], 300)
+    logits[0, 5] = float("nan")
+    logits[-1] = float("-inf")
+    out, ref, _ = _both(logits, d, ks, batch, pos)
+    _assert_same(out, ref)
+    assert out.invalid.any()
+    bad = out.invalid.nonzero().flatten()
+    assert (out.logprob_token_ids[bad] == -1).all() and torch.isinf(out.logprobs[bad]).all()
+
+
+def test_sample_matches_torch_backend():
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4000
+    logits = (torch.randn(6, vocab, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
+    params = [SamplingParams(temperature=[0.0, 0.8, 1.0][i % 3], seed=i,
+                             logprobs=[0, 4, None][i % 3],
+                             logprobs_mode=["raw", "processed"][i % 2],
+                             **([dict(top_p=0.9)] * 2 + [{}])[i % 3]) for i in range(6)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    pos = torch.arange(6, device=DEVICE)
+    outs = {}
+    for backend in ("triton", "torch"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", backend)
+            paths.reset()
+            outs[backend] = specsample.sample(logits, batch, positions=pos, strict=False)
+            if backend == "triton":
+                assert "triton.logprobs.fused" in paths.counts()
+    out, ref = outs["triton"], outs["torch"]
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu())
+    torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs.cpu(), atol=1e-5, rtol=1e-6)
+
+
+def test_more_than_32_take_the_torch_path():
+    logits, d, ks, batch, pos, extra = _case(4, 3, 200, torch.float32, "onehot")
+    batch = _with_logprobs(batch, [(40, "raw"), (33, "processed")], 200)
+    out, ref, path = _both(logits, d, ks, batch, pos)
+    assert path == ["triton.logprobs.torch"]
+    _assert_same(out, ref)
+
+
+def test_values_match_the_float64_reference():
+    logits, d, ks, batch, pos, extra = _case(11, 4, 4000, torch.float32, "draft_logits",
+                                             processors="filters")
+    batch = _with_logprobs(batch, [(4, "raw"), (3, "processed"), (0, "raw")], 4000)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.verify(logits, d, ks, batch, positions=pos, strict=False, **extra)
+    ref = reference.verify(logits, d, ks, batch, positions=pos, **extra)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu())
+    a, b = out.logprobs.cpu().double(), ref.logprobs.cpu()
+    fin = torch.isfinite(b)
+    assert torch.equal(fin, torch.isfinite(a))
+    assert float((a[fin] - b[fin]).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("n_top", [2, 3])
+def test_tile_threshold_skips_no_candidate(n_top):
+    # Four tiles; values from {0..9} so tile maxima tie with each other and with the n-th
+    # value; filtered processed rows keep fewer tokens than n (the -inf tail, lowest ids).
+    gen = torch.Generator().manual_seed(9)
+    vocab = 8192
+    logits = torch.randint(0, 10, (6, vocab), generator=gen).float()
+    logits[1, 5000] = 30.0  # one dominant tile
+    logits[2, :4096] -= 20.0  # the best values in the last two tiles only
+    logits = logits.to(torch.bfloat16).to(DEVICE)
+    cases = [(1.0, "raw", {}), (0.7, "raw", {}), (1.0, "processed", dict(top_k=1)),
+             (0.8, "processed", dict(top_p=1e-6)), (0.0, "processed", dict(top_k=2)),
+             (1.3, "processed", {})]
+    params = [SamplingParams(temperature=t, seed=i, logprobs=n_top, logprobs_mode=mode, **kw)
+              for i, (t, mode, kw) in enumerate(cases)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
+    assert torch.isinf(out.logprobs[2, 0, 2:]).all()  # top_k=1: one survivor, then -inf
