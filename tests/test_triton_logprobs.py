@@ -199,3 +199,68 @@ def test_tile_threshold_skips_no_candidate(n_top):
     assert path == ["triton.logprobs.fused"]
     _assert_same(out, ref)
     assert torch.isinf(out.logprobs[2, 0, 2:]).all()  # top_k=1: one survivor, then -inf
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 2049])
+def test_small_vocabularies_and_split_boundaries(vocab):
+    # Constant, integer-valued and nearly all -inf rows: ties everywhere, n below, at and
+    # above V (31, 32 with one, two or three tokens), filters keeping one token, the -inf
+    # tail of processed rows; 2049 puts a one-token tile past a split.
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(0, 3, (6, vocab), generator=gen).float()
+    x[0] = 0.0
+    x[1] = -math.inf
+    x[1, vocab // 2] = 1.0
+    x[2, :vocab - 1] = -math.inf
+    logits = x.to(torch.bfloat16).to(DEVICE)
+    cases = [(1.0, "raw", 32, {}), (0.7, "processed", 31, {}),
+             (0.0, "processed", 1, dict(top_k=2)), (0.9, "processed", 32, dict(top_k=1)),
+             (0.5, "raw", 0, dict(min_p=0.999)), (1.3, "processed", 3, dict(top_p=1e-6))]
+    params = [SamplingParams(temperature=t, seed=i, logprobs=n, logprobs_mode=mode, **kw)
+              for i, (t, mode, n, kw) in enumerate(cases)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
+    ids = out.logprob_token_ids[:, 0, 1:].cpu()
+    assert (ids[:, vocab:] == -1).all()  # more logprobs than the vocabulary: padding
+    assert ids[0, :min(vocab, 32)].tolist() == list(range(min(vocab, 32)))  # constant row
+
+
+def test_processed_ranks_by_the_exact_value():
+    # Two float32 logits one ulp apart whose processed values (x - max) round together: the
+    # larger logit ranks first (the float64 reference's order), not the lower id; the
+    # PyTorch path past 32 ranks the same.
+    vocab = 40
+    x = torch.full((2, vocab), -5.0)
+    x[:, 0] = 1000.0
+    x[:, 3] = 0.1
+    x[:, 5] = torch.nextafter(torch.tensor(0.1), torch.tensor(1.0))
+    logits = x.to(DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    pos = torch.arange(2, device=DEVICE)
+    for n_top, want_path in ((3, "triton.logprobs.fused"), (33, "triton.logprobs.torch")):
+        params = [SamplingParams(temperature=t, seed=1, logprobs=n_top,
+                                 logprobs_mode="processed") for t in (1.0, 0.0)]
+        batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+        paths.reset()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", "triton")
+            out = specsample.verify(logits, d, [0, 0], batch, positions=pos, strict=False)
+        assert [p for p in paths.counts() if p.startswith("triton.logprobs")] == [want_path]
+        ref = reference.verify(logits, d, [0, 0], batch, positions=pos)
+        assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu())
+        assert out.logprob_token_ids[:, 0, 1:3].tolist() == [[0, 5], [0, 5]]
+
+
+def test_many_requests_with_placeholders():
+    # 40 requests, 0..4 drafts each with a -1 placeholder, block verification with
+    # draft_probs; n of 0, 2 and 32 (and None) mixed with both modes.
+    logits, d, ks, batch, pos, extra = _case(21, 40, 300, torch.float32, "draft_probs",
+                                             placeholders=True)
+    batch = _with_logprobs(batch, [(32, "processed"), (None, "raw"), (2, "raw"),
+                                   (0, "processed"), (32, "raw")], 300)
+    out, ref, path = _both(logits, d, ks, batch, pos, extra, "block")
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
