@@ -177,3 +177,45 @@ def test_large_nuclei_and_tie_groups_match_the_reference(case, monkeypatch):
     e = torch.exp(vals - vals[0])
     keep = torch.cumsum(e, 0) - e < params["top_p"] * e.sum()
     assert kept_set(x, **params) == set(order[keep].tolist())
+
+
+def _sorted_rule(x: torch.Tensor, top_p: float) -> set[int]:
+    """top_p by a full stable sort in float64 (the rule of docs/semantics.md)."""
+    vals, order = torch.sort(x.double(), descending=True, stable=True)
+    fin = torch.isfinite(vals)
+    e = torch.where(fin, torch.exp(vals - vals[0]), 0.0)
+    keep = (torch.cumsum(e, 0) - e < top_p * e.sum()) & fin
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat", "tie_across_sub_tiles", "neg_inf",
+                                  "combined"])
+def test_large_rows_rank_sub_tile_candidates(case, monkeypatch):
+    # V = 20,037 (156 full sub-tiles of 128 and a partial one): the torch backend's top_p
+    # ranks candidates gathered from the sub-tiles with the largest maxima
+    # (processing._top_candidates); a nucleus that outgrows them, ties spread over several
+    # sub-tiles and -inf rows must still give the reference's kept set.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+    v = 20037
+    g = torch.Generator().manual_seed(1)
+    if case == "peaked":
+        x, top_p = torch.randn(v, generator=g) * 8, 0.9
+    elif case == "flat":
+        x, top_p = torch.randn(v, generator=g) * 0.1, 0.9
+    elif case == "tie_across_sub_tiles":
+        x = torch.full((v,), -5.0)
+        x[torch.arange(40) * 499 + 7] = 1.0  # 40 tied maxima in 40 sub-tiles
+        x[v - 1] = 1.0  # one in the partial last sub-tile
+        top_p = 0.3
+    elif case == "neg_inf":
+        x = torch.full((v,), -math.inf)
+        x[torch.tensor([3, 900, 5000, 12000, v - 2])] = torch.tensor([0.5, 2.0, 2.0, -1.0, 3.0])
+        top_p = 0.5  # only the maximum, in the partial last sub-tile
+    else:
+        x = torch.randn(v, generator=g) * 3
+        params = dict(top_k=20, min_p=0.01, top_p=0.8, temperature=0.7)
+        want, fragile = reference_set(x, **params)
+        assert not fragile
+        assert kept_set(x, **params) == want
+        return
+    assert kept_set(x, top_p=top_p) == _sorted_rule(x, top_p)

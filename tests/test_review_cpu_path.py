@@ -173,9 +173,10 @@ def _naive_nucleus(row: np.ndarray, keep: np.ndarray, m: float, t: float, top_p:
 
 
 def test_top_k_and_nucleus_against_a_stable_sort_on_tied_rows():
-    """_top_k_keep (one top-k of k+1, tie pass) and _nucleus (float32 total estimate, growing
-    candidate lists) against a float64 stable sort, on rows full of exact ties (-0.0 / 0.0
-    included), -inf entries, mixed k_on rows and boundaries beyond the first candidates."""
+    """_top_k_cut (one top-k of k+1, tie pass) and _nucleus (float32 total estimate, growing
+    candidate lists), applied as cuts (apply_cut), against a float64 stable sort, on rows full
+    of exact ties (-0.0 / 0.0 included), -inf entries, mixed k_on rows and boundaries beyond
+    the first candidates."""
     gen = np.random.default_rng(5)
     for _ in range(300):
         v = int(gen.choice([2, 3, 17, 64, 65, 513, 600, 3000]))
@@ -188,19 +189,24 @@ def test_top_k_and_nucleus_against_a_stable_sort_on_tied_rows():
         sub = torch.from_numpy(x).float()
         k = torch.from_numpy(gen.integers(1, v + 1, size=r))
         k_on = torch.from_numpy(gen.random(size=r) < 0.7) & (k < v)
-        keep = processing._top_k_keep(sub, k, k_on) if bool(k_on.any()) else None
-        if keep is not None:
-            for i in range(r):
-                want = _naive_top_k(x[i], int(k[i])) if bool(k_on[i]) else np.isfinite(x[i])
-                assert np.array_equal(keep[i].numpy(), want), (x[i], int(k[i]))
+        cv = torch.full((r,), -math.inf)
+        ci = torch.full((r,), v, dtype=torch.int64)
+        if bool(k_on.any()):
+            cv, ci = processing._top_k_cut(sub, k, k_on, cv, ci)
+        masked = processing.apply_cut(sub, cv, ci)
+        keep = torch.isfinite(masked)
+        for i in range(r):
+            want = _naive_top_k(x[i], int(k[i])) if bool(k_on[i]) else np.isfinite(x[i])
+            assert np.array_equal(keep[i].numpy(), want), (x[i], int(k[i]))
         m = sub.amax(-1)
         t64 = torch.from_numpy(gen.choice([0.3, 1.0, 2.0], size=r))
         top_p = torch.from_numpy(gen.choice([0.1, 0.5, 0.77, 0.9, 0.99], size=r))
-        nucleus = processing._nucleus(sub, keep, m, t64, top_p)
+        nv, ni = processing._tighter(*processing._nucleus(masked, m, t64, top_p), cv, ci)
+        nucleus = torch.isfinite(processing.apply_cut(sub, nv, ni))
         for i in range(r):
-            kept = np.isfinite(x[i]) if keep is None else keep[i].numpy()
+            kept = keep[i].numpy()
             want = _naive_nucleus(x[i], kept, float(m[i]), float(t64[i]), float(top_p[i]))
-            assert np.array_equal(nucleus[i].numpy() & kept, want), (x[i], float(top_p[i]))
+            assert np.array_equal(nucleus[i].numpy(), want), (x[i], float(top_p[i]))
 
 
 @pytest.mark.parametrize("v", [1, 2, 127, 128, 129, 2047, 2049, 4100])

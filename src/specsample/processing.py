@@ -3,7 +3,7 @@
 ``process_rows`` turns raw logits rows into the processed logits ``z'`` of docs/semantics.md:
 bans (allowed_token_ids, bad words, min_tokens) -> logit_bias -> penalties -> temperature (after
 subtracting the row maximum) -> min_p -> top_k -> top_p, the filters decided exactly on the
-float32 values (``filter_drop``). The Triton
+float32 values (``filter_cut``). The Triton
 backend's general path materialises this float32 tensor and then runs its kernels on it (a
 named, counted fallback); the fused path applies temperature inside the kernel.
 """
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import workspace
+from . import rng, workspace
 from .params import SamplingBatch
 from .plan import Plan
 
@@ -152,13 +152,15 @@ def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t32.double() < t, up, t32)
 
 
-def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int) -> tuple:
+def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int, *,
+                    as_cut: bool = False) -> tuple:
     """Per-row filter settings of ``plan``'s rows and min_p's decision (sampled rows only):
     (drop [T, W] bool or None, t64 [T] float64 temperature, top_k [T], k_on [T], top_p [T]
     float64, p_on [T]). ``y`` [T, W]: the rows (or a vocabulary shard of them) before
     temperature; ``m`` [T]: the rows' global maxima; ``vocab``: the global V (top_k >= V is
     off). min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
-    float32 (exact for float32 values)."""
+    float32 (exact for float32 values); with ``as_cut`` the first entry is that cut instead
+    ([T] float32, -inf where min_p is off), or None."""
     batch, req = plan.batch, plan.row_req
     sampled = batch.temperature[req] > 0
     t64 = batch.temperature[req].double()
@@ -167,7 +169,8 @@ def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int) ->
     on = sampled & (min_p > 0)
     if bool(on.any()):
         cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
-        drop = y < torch.where(on, cut, -math.inf)[:, None]
+        cut = torch.where(on, cut, -math.inf)
+        drop = cut if as_cut else y < cut[:, None]
     k = batch.top_k[req]
     k_on = sampled & (k > 0) & (k < vocab)
     top_p = batch.top_p[req]
@@ -175,14 +178,20 @@ def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int) ->
     return drop, t64, k, k_on, top_p, p_on
 
 
-def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | None:
-    """[T, V] bool: the tokens that min_p -> top_k -> top_p drop (sampled rows only), or None.
+@torch.no_grad()
+def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's filter cut (min_p -> top_k -> top_p, sampled rows only), or None when no
+    row is filtered: (cut_v [T] float32, cut_i [T] int64); the row keeps token x iff
+    ``y[x] > cut_v`` or (``y[x] == cut_v`` and ``x <= cut_i``), a prefix of the row in rank
+    order (value, then lower id). ``cut_i = V`` makes it the threshold ``y >= cut_v``;
+    unfiltered rows have (-inf, V).
 
     ``y``: the rows before temperature (raw logits in any float dtype, or float32 after bias
     and penalties); ``m``: [T] float32 finite row maxima of ``y``. Decisions are made on ``y``
     itself, never on rounded sums (docs/semantics.md, "Filters in float32"):
 
-    * min_p drops ``y < m + T log(min_p)``, the cut computed in float64 and rounded up to
+    * min_p keeps ``y >= m + T log(min_p)``, the cut computed in float64 and rounded up to
       float32, so the test is exact for the float32 values;
     * top_k keeps the k largest values by rank alone (lower ids first on ties), with no
       probability sum involved (one top-k of k + 1 values, no sort of the row; a tie pass only
@@ -191,72 +200,119 @@ def filter_drop(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> torch.Tensor | 
       token is kept iff the mass ranked before it is < top_p times the survivors' mass
       (float64, relative error about 1e-16 per token, so nothing saturates at 1);
       :func:`_nucleus` ranks only the top candidates.
+
+    Each filter's kept set is a prefix of the rank order, so their intersection is the
+    shortest prefix: one cut per row, and no [T, V] boolean mask unless a boundary splits a
+    tie group (boolean tensor passes are several times slower than a threshold on CPU).
     """
-    v = y.shape[1]
-    drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v)
+    t_rows, v = y.shape
+    drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v, as_cut=True)
     rows = k_on | p_on
+    if drop is None and not bool(rows.any()):
+        return None
+    cut_v = drop if drop is not None else torch.full((t_rows,), -math.inf, device=y.device)
+    cut_i = torch.full((t_rows,), v, dtype=torch.int64, device=y.device)
     if not bool(rows.any()):
-        return drop
+        return cut_v, cut_i
     every = bool(rows.all())
     idx = None if every else rows.nonzero().squeeze(1)
-    sub = y.float() if every else y[idx].float()
-    if drop is not None:
-        sub = sub.masked_fill(drop if every else drop[idx], -math.inf)
-    keep = None  # (None: every finite value of ``sub``)
+    yy = y if every else y[idx]
+    cv, ci = (cut_v, cut_i) if every else (cut_v[idx], cut_i[idx])
+    scratch = workspace.buffer("filter", tuple(yy.shape), torch.float32, y.device)
+    sub = apply_cut(yy, cv, ci, out=scratch) if drop is not None else yy.float()
     k_sub, p_sub = (k_on, p_on) if every else (k_on[idx], p_on[idx])
     if bool(k_sub.any()):
-        keep = _top_k_keep(sub, k if every else k[idx], k_sub)
+        cv, ci = _top_k_cut(sub, k if every else k[idx], k_sub, cv, ci)
+        sub = apply_cut(yy, cv, ci, out=scratch)
     if bool(p_sub.any()):
         m_p, t_p, top_p = (m, t64, top_p) if every else (m[idx], t64[idx], top_p[idx])
-        nucleus = _nucleus(sub, keep, m_p, t_p, top_p)
-        if not bool(p_sub.all()):
-            nucleus |= ~p_sub[:, None]
-        keep = nucleus if keep is None else keep & nucleus
-    sub_drop = ~keep
-    if every and drop is None:
-        return sub_drop
-    if drop is None:
-        drop = torch.zeros(y.shape, dtype=torch.bool, device=y.device)
+        nv, ni = _tighter(*_nucleus(sub, m_p, t_p, top_p), cv, ci)
+        cv, ci = torch.where(p_sub, nv, cv), torch.where(p_sub, ni, ci)
     if every:
-        return drop | sub_drop
-    drop[idx] = drop[idx] | sub_drop
-    return drop
+        return cv, ci
+    cut_v[idx], cut_i[idx] = cv, ci
+    return cut_v, cut_i
 
 
-def _top_k_keep(sub: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor) -> torch.Tensor:
-    """[R, V] bool: the top_k survivors of rows ``sub`` (-inf = dropped already) for the rows
-    ``k_on`` ([R] bool; other rows keep every finite value): the k largest values, lower ids
-    first on ties. One top-k of k + 1 values finds the k-th value v_k; when the next value is
-    smaller (no tie crosses the boundary) the kept set is ``sub >= v_k``, else a tie pass
-    keeps the lowest ids of the v_k group."""
+#: Rows up to which :func:`apply_cut` thresholds row by row (fast) instead of building a mask.
+CUT_ROW_LOOP = 64
+
+
+def apply_cut(y: torch.Tensor, cut_v: torch.Tensor, cut_i: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y`` [T, V] as float32 with -inf where the cut (:func:`filter_cut`) drops a token,
+    into ``out`` (a new tensor when None). float32 rows whose cut is a threshold
+    (``cut_i >= V``) take one ``torch.threshold`` each (up to CUT_ROW_LOOP rows); other rows
+    a boolean mask."""
+    t_rows, v = y.shape
+    if out is None:
+        out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    plain = cut_i >= v
+    if (y.dtype == torch.float32 and t_rows <= CUT_ROW_LOOP and not y.requires_grad
+            and bool(plain.all())):
+        # keep y >= cut  <=>  y > the float32 just below cut (threshold keeps x > t)
+        below = torch.nextafter(cut_v, torch.full_like(cut_v, -math.inf)).tolist()
+        for r, t in enumerate(below):
+            torch.threshold(y[r], t, -math.inf, out=out[r])
+        return out
+    out.copy_(y)
+    cv, ci = cut_v[:, None], cut_i[:, None]
+    if bool(plain.all()):
+        keep = y >= cv
+    else:
+        ids = torch.arange(v, device=y.device)[None, :]
+        keep = (y > cv) | ((y == cv) & (ids <= ci))
+    return out.masked_fill_(~keep, -math.inf)
+
+
+def _top_k_cut(sub: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor, cut_v: torch.Tensor,
+               cut_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut after top_k of rows ``sub`` (float32, -inf = dropped already by the cut
+    (cut_v, cut_i)) for the rows ``k_on`` ([R] bool; other rows keep their cut): the k largest
+    values, lower ids first on ties. One top-k of k + 1 values finds the k-th value v_k; when
+    the next value is smaller (no tie crosses the boundary) the cut is the threshold v_k,
+    else a tie pass finds the id of the last tied token kept."""
     r, v = sub.shape
     kk = torch.where(k_on, k, 1).clamp(1, v - 1)[:, None]
     width = min(int(kk.max()) + 1, v)
-    top = torch.topk(sub, width, dim=-1).values
-    v_k = torch.where(k_on[:, None], top.gather(1, kk - 1), -math.inf)
+    # (only the values matter: the multiset of the largest ones, in descending order)
+    top = _top_candidates(sub, width)[0].sort(dim=-1, descending=True).values
+    v_k = top.gather(1, kk - 1)
     v_next = top.gather(1, kk.clamp_max(width - 1))
-    if bool(((v_next < v_k) | (v_k == -math.inf)).all()):
-        if bool((v_k > -math.inf).all()):
-            return sub >= v_k
-        return (sub >= v_k) & (sub > -math.inf)
-    above = sub > v_k
-    tie = (sub == v_k) & (sub > -math.inf)
-    cut = above | (tie & (tie.cumsum(-1) <= kk - above.sum(-1, keepdim=True)))
-    return cut | (~k_on[:, None] & (sub > -math.inf))
+    on = k_on[:, None] & (v_k > -math.inf)  # (fewer than k survivors: the cut stays)
+    new_i = torch.full_like(kk, v)
+    tie = on & (v_next == v_k)
+    if bool(tie.any()):  # keep the lowest ids of the v_k group: k - (#values above v_k)
+        above = (sub > v_k).sum(-1, keepdim=True)
+        tied = (sub == v_k).cumsum(-1)
+        last = (tied >= kk - above).int().argmax(-1, keepdim=True)  # first id reaching it
+        new_i = torch.where(tie, last, new_i)
+    new_v, new_i = _tighter(v_k[:, 0], new_i[:, 0], cut_v, cut_i)
+    return torch.where(on[:, 0], new_v, cut_v), torch.where(on[:, 0], new_i, cut_i)
+
+
+def _tighter(a_v: torch.Tensor, a_i: torch.Tensor, b_v: torch.Tensor, b_i: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shorter of two rank-order prefixes (value, then lower id), as cuts: the
+    intersection of what both keep. (A threshold (v, V) found on a masked row keeps the
+    masked row's tokens of value v only with the mask's own cut.)"""
+    first = (a_v > b_v) | ((a_v == b_v) & (a_i < b_i))
+    return torch.where(first, a_v, b_v), torch.where(first, a_i, b_i)
 
 
 #: Relative bound on the float32 estimate of a top_p total mass (see :func:`_nucleus`).
 NUCLEUS_TOTAL_TOL = 1e-5
 
 
-def _nucleus(sub: torch.Tensor, keep: torch.Tensor | None, m: torch.Tensor, t64: torch.Tensor,
-             top_p: torch.Tensor) -> torch.Tensor:
-    """[R, V] bool: the top_p nucleus of the survivors ``keep`` (None: every finite value) of
-    rows ``sub`` (float32).
+def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_p cut (:func:`filter_cut`: (cut_v [R] float32, cut_i [R] int64)) of the
+    survivors of rows ``masked`` (float32, -inf = dropped already).
 
     A token is kept iff the float64 mass of the survivors ranked before it (value, then lower
-    id) is < top_p times their total mass. Only the highest-ranked candidates are ranked, by a
-    top-k that grows until the boundary token lies inside them (a full sort of the row is the
+    id) is < top_p times their total mass. Only the highest-ranked candidates are ranked
+    (:func:`_top_candidates`, 16 first, 8 times more each round) until the boundary token
+    lies inside them (a full sort of the row is the
     last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
     the top-k, so a boundary there counts as not found yet. The candidates' masses are float64;
     the total is first estimated from float32 ``exp((y - m) / T)`` summed in float64, whose
@@ -265,16 +321,19 @@ def _nucleus(sub: torch.Tensor, keep: torch.Tensor | None, m: torch.Tensor, t64:
     both ends of that bound the decision is the exact one, else the total is recomputed in
     float64 from every survivor.
     """
-    r, v = sub.shape
-    masked = sub if keep is None else sub.masked_fill(~keep, -math.inf)
+    r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
-    e32 = torch.sub(masked, m[:, None]).div_(t64.float()[:, None]).exp_()
-    total = e32.sum(-1, keepdim=True, dtype=torch.float64)
+    e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
+    torch.sub(masked, m[:, None], out=e32).div_(t64.float()[:, None]).exp_()
+    # (summed in float64 from a reused buffer: sum(dtype=float64) would convert into a fresh
+    # [R, V] allocation, page faults included, every call)
+    total = workspace.buffer("nucleus64", tuple(masked.shape), torch.float64,
+                             masked.device).copy_(e32).sum(-1, keepdim=True)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
-    c = min(v, 64)
+    c = min(v, 16)
     while True:
-        cand_v, cand_i = torch.topk(masked, c, dim=-1)
+        cand_v, cand_i = _top_candidates(masked, c)
         order = torch.sort(cand_i, dim=-1).indices  # by id, then (stably) by value: rank order
         cand_v, cand_i = cand_v.gather(1, order), cand_i.gather(1, order)
         order = torch.sort(cand_v, dim=-1, descending=True, stable=True).indices
@@ -295,10 +354,35 @@ def _nucleus(sub: torch.Tensor, keep: torch.Tensor | None, m: torch.Tensor, t64:
             break
         c = min(v, 8 * c)
     last_i = cand_i.gather(1, n_keep - 1)
-    if c > 1 and bool((cand_v.gather(1, n_keep.clamp_max(c - 1)) < last_v).all()):
-        return sub >= last_v  # no token of last_v's value ranks after the boundary
-    ids = torch.arange(v, device=sub.device)[None, :]
-    return (sub > last_v) | ((sub == last_v) & (ids <= last_i))
+    # No token of last_v's value ranks after the boundary: the threshold y >= last_v.
+    alone = cand_v.gather(1, n_keep.clamp_max(c - 1)) < last_v
+    if c == 1:
+        alone = torch.ones_like(alone)
+    return last_v[:, 0], torch.where(alone, v, last_i)[:, 0]
+
+
+def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [R, c] of the c largest entries of each row of ``x`` [R, V] float32, in
+    no particular order, the tie group at the smallest value cut arbitrarily (as
+    ``torch.topk``). Through ``rng.SUBTILE``-wide sub-tiles: the c sub-tiles with the largest
+    maxima hold every entry above the c-th largest sub-tile maximum, hence the c largest
+    entries up to ties at the smallest; one top-k over those c x 128 entries (``torch.topk``
+    over a whole row costs several times a max on CPU, whatever c is)."""
+    r, v = x.shape
+    sub = rng.SUBTILE
+    full = v // sub
+    if full < 4 * c:  # (small rows: the plain top-k)
+        return torch.topk(x, c, dim=-1)
+    smax = x[:, :full * sub].view(r, full, sub).amax(-1)
+    if v % sub:
+        smax = torch.cat([smax, x[:, full * sub:].amax(-1, keepdim=True)], dim=1)
+    best = torch.topk(smax, c, dim=-1).indices  # [R, c] sub-tiles
+    cols = (best[:, :, None] * sub + torch.arange(sub, device=x.device)).view(r, -1)
+    vals = x.gather(1, cols.clamp_max(v - 1))
+    if v % sub:  # (the last sub-tile's padding)
+        vals = vals.masked_fill(cols >= v, -math.inf)
+    top_v, at = torch.topk(vals, c, dim=-1)
+    return top_v, cols.gather(1, at).clamp_max(v - 1)  # (padding: -inf values)
 
 
 def process_rows(plan: Plan, *, filters: bool = True,
@@ -307,7 +391,7 @@ def process_rows(plan: Plan, *, filters: bool = True,
 
     ``z' = (y - max y) / T`` (greedy rows: T = 1; the max maps to exactly 0) where ``y`` is the
     raw row after bans (-inf), logit bias and penalties, then -inf where a filter drops the
-    token (:func:`filter_drop`). A row whose bans leave nothing is all -inf. Rows of invalid
+    token (:func:`filter_cut`). A row whose bans leave nothing is all -inf. Rows of invalid
     requests must have been sanitised by the caller. ``row_max``: [T] max of the raw rows if
     the caller has it; without bans, logit bias or penalties ``y`` is then the raw logits
     themselves (no float32 copy before the subtraction). On CPU the result is the reusable
@@ -326,14 +410,15 @@ def process_rows(plan: Plan, *, filters: bool = True,
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
     t = batch.temperature[plan.row_req]
     t = torch.where(t > 0, t, torch.ones_like(t))
-    drop = filter_drop(y, m, plan) if filters and batch.needs_filter else None
+    cut = filter_cut(y, m, plan) if filters and batch.needs_filter else None
     if y.requires_grad and torch.is_grad_enabled():  # (out= takes no autograd inputs)
-        z = torch.sub(y, m[:, None])
+        z = torch.sub(y, m[:, None]) if cut is None else apply_cut(y, *cut).sub_(m[:, None])
     else:
         z = workspace.buffer("z", tuple(y.shape), torch.float32, y.device)
-        torch.sub(y, m[:, None], out=z)
+        if cut is None:
+            torch.sub(y, m[:, None], out=z)
+        else:  # (the dropped tokens' -inf survive the subtraction and the division)
+            apply_cut(y, *cut, out=z).sub_(m[:, None])
     if batch.any_sampled:  # (greedy rows divide by 1)
         z.div_(t[:, None])
-    if drop is not None:
-        z.masked_fill_(drop, -math.inf)
     return z
