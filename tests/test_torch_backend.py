@@ -275,3 +275,23 @@ def test_top_n_logprobs_matches_a_stable_sort(seed):
         assert torch.equal(ids, want), n
         got = torch.where(want >= 0, lp.gather(1, want.clamp_min(0)), -math.inf)
         assert torch.equal(vals, got)
+
+
+def test_processed_top_n_ranks_by_the_exact_logit():
+    # Two logits one float32 step apart round to the same (y - max) / T next to a max of 1000:
+    # the top-n must still put the larger first (the float64 reference's order), not the
+    # lower id.
+    v = 16
+    x = torch.full((1, v), -5.0)
+    x[0, 0] = 1000.0
+    x[0, 3] = 0.1
+    x[0, 5] = torch.nextafter(torch.tensor(0.1), torch.tensor(1.0))
+    for kw in ({}, dict(top_k=4)):
+        batch = SamplingBatch.from_params(
+            [SamplingParams(temperature=1.0, seed=0, logprobs=3, logprobs_mode="processed",
+                            **kw)], vocab_size=v)
+        pos = torch.tensor([0])
+        out = specsample.sample(x, batch, positions=pos)
+        ref = reference.sample(x, batch, pos)
+        assert out.logprob_token_ids[0].tolist() == ref.logprob_token_ids[0].tolist()
+        assert out.logprob_token_ids[0, 1:].tolist() == [0, 5, 3]

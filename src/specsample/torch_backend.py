@@ -341,6 +341,27 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     return vals, ids
 
 
+def processed_logprobs(plan, z: torch.Tensor, lse: torch.Tensor):
+    """The ``processed_logprobs`` callable of :func:`emitted_logprobs` from the processed
+    logits ``z`` [R, V] and their log-normalisers ``lse`` [R] of ``plan``'s rows (``plan``
+    as :func:`processed_logits` returns it).
+
+    Top-n ranks by the values before the max is subtracted and T divides (the raw logits,
+    -inf where dropped), since (y - m) / T can round two neighbouring logits together; with
+    logit bias or penalties those values are not kept, and z' ranks."""
+    exact_rank = not (plan.batch.needs_bias or plan.batch.needs_penalties)
+
+    def processed(r: torch.Tensor, t: torch.Tensor | None = None):
+        if t is not None:
+            return z[r, t] - lse[r]
+        zr = z[r]
+        rank = torch.where(zr == -math.inf, -math.inf, plan.logits[r].float()) if (
+            exact_rank) else zr
+        return zr - lse[r, None], rank
+
+    return processed
+
+
 def processed_logits(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
     """Validate and process every row of ``plan``: (the plan with the rows of invalid requests
     and dead rows zeroed, processed logits z' [T, V] float32, [N] int64 ERR_* bitmask).
@@ -480,9 +501,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     num_accepted, token_ids, emitted = accepted_grid(accept, d, emit, k_eff, invalid)
     logprobs = logprob_ids = None
     if batch.max_logprobs >= 0:
-        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
-            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
-
-        logprobs, logprob_ids = emitted_logprobs(plan, processed, rows, token_ids, emitted)
+        logprobs, logprob_ids = emitted_logprobs(plan, processed_logprobs(plan, z, lse), rows,
+                                                 token_ids, emitted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                         logprob_token_ids=logprob_ids, invalid=invalid), err

@@ -433,8 +433,7 @@ def _run_tree(plan: TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     final, emit = walk(plan, y, invalid, lambda r: z[r] - lse[r, None])
     processed = None
     if batch.max_logprobs >= 0:
-        def processed(r: torch.Tensor, t: torch.Tensor | None = None):
-            return (z[r] - lse[r, None], z[r]) if t is None else z[r, t] - lse[r]
+        processed = torch_backend.processed_logprobs(plan, z, lse)
 
     return assemble_output(plan, final, emit, invalid, processed), err
 
