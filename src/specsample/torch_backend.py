@@ -362,13 +362,17 @@ def processed_logprobs(plan, z: torch.Tensor, lse: torch.Tensor):
     return processed
 
 
-def processed_logits(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+def processed_logits(plan: Plan, *, argmax_only: bool = False
+                     ) -> tuple[Plan, torch.Tensor, torch.Tensor]:
     """Validate and process every row of ``plan``: (the plan with the rows of invalid requests
     and dead rows zeroed, processed logits z' [T, V] float32, [N] int64 ERR_* bitmask).
 
     Besides :func:`request_errors`, a live row whose bans leave no token sets ERR_BANS, and one
     that logit_bias / penalties push to NaN / +inf or leave without a finite logit sets
     ERR_PROCESSED_OVERFLOW. Rows of invalid requests hold arbitrary values (possibly all -inf).
+    With ``argmax_only`` (the caller only takes each row's first argmax) a batch with no bans,
+    bias or penalties gets the cleaned logits themselves instead of z' (the same argmax:
+    ``y - max`` is 0 exactly where ``y`` is the max, and monotone).
     """
     batch = plan.batch
     n = plan.num_requests
@@ -385,6 +389,8 @@ def processed_logits(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
         live = plan.row_live & ~invalid[plan.row_req]
         err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
         invalid = err != 0
+    if argmax_only and not (batch.needs_bans or batch.needs_bias or batch.needs_penalties):
+        return plan, plan.logits, err
     z = process_rows(plan, row_max=row_max)
     if batch.needs_bias or batch.needs_penalties:
         # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
@@ -447,9 +453,13 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     """
     batch = plan.batch
     n = plan.num_requests
-    plan, z, err = processed_logits(plan)
+    # (an all-greedy batch without logprobs takes only argmaxes: no z', no normaliser)
+    argmax_only = not batch.any_sampled and batch.max_logprobs < 0
+    plan, z, err = processed_logits(plan, argmax_only=argmax_only)
     invalid = err != 0
-    tile_lse, lse = processed_tile_logsumexp(z)
+    tile_lse = lse = None
+    if not argmax_only:
+        tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
     greedy_req = batch.temperature == 0
     y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
