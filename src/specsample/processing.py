@@ -311,24 +311,22 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
 
     A token is kept iff the float64 mass of the survivors ranked before it (value, then lower
     id) is < top_p times their total mass. Only the highest-ranked candidates are ranked
-    (:func:`_top_candidates`, 16 first, 8 times more each round) until the boundary token
+    (:func:`_top_candidates`, 16 first, 4 times more each round) until the boundary token
     lies inside them (a full sort of the row is the
     last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
     the top-k, so a boundary there counts as not found yet. The candidates' masses are float64;
-    the total is first estimated from float32 ``exp((y - m) / T)`` summed in float64, whose
-    relative error is below ``2 log(V) 2**-24`` plus exp's ulp (the mean |z| under softmax(z)
-    is at most log V), far inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at
-    both ends of that bound the decision is the exact one, else the total is recomputed in
-    float64 from every survivor.
+    the total is first estimated from float32 ``exp((y - m) / T)`` (:func:`_block_total`),
+    whose relative error is below ``2 log(V) 2**-24`` plus exp's ulp (the mean |z| under
+    softmax(z) is at most log V) plus ``15 * 2**-24`` (blocks of 16 summed in float32), far
+    inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at both ends of that bound
+    the decision is the exact one, else the total is recomputed in float64 from every
+    survivor.
     """
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
     torch.sub(masked, m[:, None], out=e32).div_(t64.float()[:, None]).exp_()
-    # (summed in float64 from a reused buffer: sum(dtype=float64) would convert into a fresh
-    # [R, V] allocation, page faults included, every call)
-    total = workspace.buffer("nucleus64", tuple(masked.shape), torch.float64,
-                             masked.device).copy_(e32).sum(-1, keepdim=True)
+    total = _block_total(e32)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
     c = min(v, 16)
@@ -352,13 +350,26 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
         found = (n_keep < c) & (last_v > cand_v[:, -1:])
         if c == v or bool(found.all()):
             break
-        c = min(v, 8 * c)
+        c = min(v, 4 * c)
     last_i = cand_i.gather(1, n_keep - 1)
     # No token of last_v's value ranks after the boundary: the threshold y >= last_v.
     alone = cand_v.gather(1, n_keep.clamp_max(c - 1)) < last_v
     if c == 1:
         alone = torch.ones_like(alone)
     return last_v[:, 0], torch.where(alone, v, last_i)[:, 0]
+
+
+def _block_total(e: torch.Tensor) -> torch.Tensor:
+    """[R, 1] float64 sums of the rows of ``e`` [R, V] (float32, >= 0): blocks of 16 summed in
+    float32 (any order of 15 additions of non-negative terms: relative error at most
+    15 * 2**-24), then the blocks in float64. Reads ``e`` once; no [R, V] float64 copy (from
+    a cold cache, as between two model forwards, that copy cost as much as the exps)."""
+    r, v = e.shape
+    full = v - v % 16
+    total = e[:, :full].view(r, full // 16, 16).sum(-1).double().sum(-1, keepdim=True)
+    if full < v:
+        total += e[:, full:].double().sum(-1, keepdim=True)
+    return total
 
 
 def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +382,7 @@ def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor
     r, v = x.shape
     sub = rng.SUBTILE
     full = v // sub
-    if full < 4 * c:  # (small rows: the plain top-k)
+    if full < 2 * c:  # (small rows, or most of the row wanted: the plain top-k)
         return torch.topk(x, c, dim=-1)
     smax = x[:, :full * sub].view(r, full, sub).amax(-1)
     if v % sub:
