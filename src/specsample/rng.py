@@ -202,9 +202,16 @@ def _philox_numpy(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray
     run as one operation on the stacked words (c0, c2), and the round keys are computed up
     front, so a round is five whole-array numpy operations (on the small arrays a row's
     sampling needs, the per-operation cost dominates)."""
-    even = np.stack(np.broadcast_arrays(c0, c2, c1, c3, k0, k1))  # one broadcast shape
-    even, odd, key = even[0:2], even[2:4], even[4:6]
-    trail = (1,) * (even.ndim - 1)
+    shape = np.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape, k1.shape)
+    even = np.empty((2, *shape), dtype=np.uint64)
+    odd = np.empty((2, *shape), dtype=np.uint64)
+    even[0], even[1], odd[0], odd[1] = c0, c2, c1, c3
+    # the round keys keep the keys' own (usually per-row) shape; the XOR broadcasts them
+    kshape = (1,) * (len(shape) - max(k0.ndim, k1.ndim)) + np.broadcast_shapes(k0.shape,
+                                                                                k1.shape)
+    key = np.empty((2, *kshape), dtype=np.uint64)
+    key[0], key[1] = k0, k1
+    trail = (1,) * len(shape)
     mul = np.array([PHILOX_ROUND_A, PHILOX_ROUND_B], dtype=np.uint64).reshape(2, *trail)
     step = np.array([PHILOX_KEY_A, PHILOX_KEY_B], dtype=np.uint64).reshape(2, *trail)
     rounds = np.arange(PHILOX_ROUNDS, dtype=np.uint64).reshape(-1, 1, *trail)
