@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, processing, reference, rng
+from specsample import SamplingBatch, SamplingParams, processing, reference, rng, torch_backend
 from specsample.plan import build_plan
 
 
@@ -337,3 +337,23 @@ def test_min_p_cut_between_two_float32_values():
         p = [SamplingParams(temperature=t, min_p=min_p, seed=1)]
         got = torch.isfinite(processing.process_rows(_plan(x, p))[0]).tolist()
         assert got == [True] + [r >= cut for r in row] + [False], (min_p, t, m)
+
+
+def test_rows_nobody_reads_take_no_candidate_search():
+    # A placeholder leaves the rows after it dead; they are zeroed (constant rows), where top_p
+    # ties every token: ranking them grew the candidates to a full sort (13x slower). Dead
+    # rows now keep the cut (-inf, V), and the zeroed rows' maximum is their own (0).
+    v = 4096
+    x = torch.randn(4, v, generator=torch.Generator().manual_seed(0)) * 3
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.05, top_p=0.9, seed=1)],
+                                      vocab_size=v)
+    plan = build_plan(x, batch, draft_token_ids=torch.tensor([5, -1, 7]), num_draft_tokens=[3],
+                      draft_logits=None, draft_probs=None, positions=torch.tensor([0]),
+                      method="token")
+    plan, z, err = torch_backend.processed_logits(plan)
+    dead = ~plan.row_live
+    assert dead.tolist() == [False, False, True, True]
+    cut_v, cut_i = processing.filter_cut(plan.logits, torch.zeros(4), plan)
+    assert torch.isinf(cut_v[dead]).all() and (cut_i[dead] == v).all()
+    assert torch.isfinite(cut_v[~dead]).all()
+    assert (z[dead] == 0).all()  # (y - max) / T of a zeroed row with its own max, 0

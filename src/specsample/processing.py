@@ -207,7 +207,7 @@ def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
     """
     t_rows, v = y.shape
     drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v, as_cut=True)
-    rows = k_on | p_on
+    rows = (k_on | p_on) & plan.row_live  # (rows nobody reads: no candidate search)
     if drop is None and not bool(rows.any()):
         return None
     cut_v = drop if drop is not None else torch.full((t_rows,), -math.inf, device=y.device)

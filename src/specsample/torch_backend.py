@@ -385,6 +385,7 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
+        row_max = torch.where(bad_rows, 0.0, row_max)  # (the zeroed rows' own maximum)
     if batch.needs_bans:
         live = plan.row_live & ~invalid[plan.row_req]
         err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
