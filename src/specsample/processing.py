@@ -241,15 +241,15 @@ CUT_ROW_LOOP = 64
 def apply_cut(y: torch.Tensor, cut_v: torch.Tensor, cut_i: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` [T, V] as float32 with -inf where the cut (:func:`filter_cut`) drops a token,
-    into ``out`` (a new tensor when None). float32 rows whose cut is a threshold
-    (``cut_i >= V``) take one ``torch.threshold`` each (up to CUT_ROW_LOOP rows); other rows
-    a boolean mask."""
+    into ``out`` (a new tensor when None). On CPU, float32 rows whose cut is a threshold
+    (``cut_i >= V``) take one ``torch.threshold`` each (up to CUT_ROW_LOOP rows); otherwise
+    a boolean mask (one kernel on a GPU)."""
     t_rows, v = y.shape
     if out is None:
         out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     plain = cut_i >= v
-    if (y.dtype == torch.float32 and t_rows <= CUT_ROW_LOOP and not y.requires_grad
-            and bool(plain.all())):
+    if (y.device.type == "cpu" and y.dtype == torch.float32 and t_rows <= CUT_ROW_LOOP
+            and not y.requires_grad and bool(plain.all())):
         # keep y >= cut  <=>  y > the float32 just below cut (threshold keeps x > t)
         below = torch.nextafter(cut_v, torch.full_like(cut_v, -math.inf)).tolist()
         for r, t in enumerate(below):
