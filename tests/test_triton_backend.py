@@ -83,9 +83,10 @@ def _case(seed: int, n: int, vocab: int, dtype, kind: str, *, draft_vocab: int |
     return logits.to(DEVICE), d.to(DEVICE), ks, batch, pos, extra
 
 
-def _compare(logits, d, ks, batch, pos, extra, method):
-    """Triton (through the public API, backend forced) against the torch backend; returns the
-    output and the Triton path that ran (from specsample.paths)."""
+def run_both(logits, d, ks, batch, pos, extra, method):
+    """(Triton output through the public API with the backend forced, the torch backend's
+    output and error bits on the same plan); ``specsample.paths`` counts the Triton call
+    only."""
     plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
                       draft_logits=extra.get("draft_logits"),
                       draft_probs=extra.get("draft_probs"), positions=pos, method=method)
@@ -95,6 +96,13 @@ def _compare(logits, d, ks, batch, pos, extra, method):
         mp.setenv("SPECSAMPLE_BACKEND", "triton")
         out = specsample.verify(logits, d, ks, batch, positions=pos, method=method,
                                 strict=False, **extra)
+    return out, ref, ref_err
+
+
+def _compare(logits, d, ks, batch, pos, extra, method):
+    """Triton (through the public API, backend forced) against the torch backend; returns the
+    output and the Triton path that ran (from specsample.paths)."""
+    out, ref, ref_err = run_both(logits, d, ks, batch, pos, extra, method)
     path = next(p for p in paths.counts() if p.startswith("triton.verify"))
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
     assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, paths, reference, torch_backend
-from specsample.plan import build_plan
+from specsample import SamplingBatch, SamplingParams, paths, reference
 
 pytest.importorskip("specsample.triton_backend")
 
-from test_triton_backend import DEVICE, _case  # noqa: E402
+from test_triton_backend import DEVICE, _case, run_both  # noqa: E402
 
 MIXED = [(None, "raw"), (0, "raw"), (3, "processed"), (5, "raw"), (0, "processed"),
          (2, "raw"), (1, "processed")]
@@ -38,16 +37,7 @@ def _with_logprobs(batch: SamplingBatch, lps, vocab: int) -> SamplingBatch:
 
 def _both(logits, d, ks, batch, pos, extra=None, method="token"):
     """(Triton output, torch backend output, the Triton logprob path that ran)."""
-    extra = extra or {}
-    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
-                      draft_logits=extra.get("draft_logits"),
-                      draft_probs=extra.get("draft_probs"), positions=pos, method=method)
-    ref, _ = torch_backend.verify(plan)
-    paths.reset()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSAMPLE_BACKEND", "triton")
-        out = specsample.verify(logits, d, ks, batch, positions=pos, method=method,
-                                strict=False, **extra)
+    out, ref, _ = run_both(logits, d, ks, batch, pos, extra or {}, method)
     path = [p for p in paths.counts() if p.startswith("triton.logprobs")]
     return out, ref, path
 

@@ -206,11 +206,12 @@ def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
     tie group (boolean tensor passes are several times slower than a threshold on CPU).
     """
     t_rows, v = y.shape
-    drop, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v, as_cut=True)
+    min_p_cut, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v, as_cut=True)
     rows = (k_on | p_on) & plan.row_live  # (rows nobody reads: no candidate search)
-    if drop is None and not bool(rows.any()):
+    if min_p_cut is None and not bool(rows.any()):
         return None
-    cut_v = drop if drop is not None else torch.full((t_rows,), -math.inf, device=y.device)
+    cut_v = min_p_cut if min_p_cut is not None else torch.full((t_rows,), -math.inf,
+                                                               device=y.device)
     cut_i = torch.full((t_rows,), v, dtype=torch.int64, device=y.device)
     if not bool(rows.any()):
         return cut_v, cut_i
@@ -219,7 +220,7 @@ def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
     yy = y if every else y[idx]
     cv, ci = (cut_v, cut_i) if every else (cut_v[idx], cut_i[idx])
     scratch = workspace.buffer("filter", tuple(yy.shape), torch.float32, y.device)
-    sub = apply_cut(yy, cv, ci, out=scratch) if drop is not None else yy.float()
+    sub = apply_cut(yy, cv, ci, out=scratch) if min_p_cut is not None else yy.float()
     k_sub, p_sub = (k_on, p_on) if every else (k_on[idx], p_on[idx])
     if bool(k_sub.any()):
         cv, ci = _top_k_cut(sub, k if every else k[idx], k_sub, cv, ci)

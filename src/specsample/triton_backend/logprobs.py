@@ -40,6 +40,7 @@ BLOCK_TILE = rng.TILE
 NPAD = 32  # most top-n logprobs per request on this path (more take the PyTorch path)
 S_MAX = 32  # most vocabulary splits per row of the partial kernel
 BIG = tl.constexpr(2147483647)
+NPAD_MAX = tl.constexpr(NPAD)
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
     emitted = (j <= tl.load(num_acc_ptr + i)) & (tl.load(invalid_ptr + i) == 0)
     r = tl.load(row_start_ptr + i) + j
     raw = tl.load(lp_proc_ptr + i) == 0
-    n_want = tl.minimum(tl.maximum(tl.load(lp_n_ptr + i), 0), 32).to(tl.int32)
+    n_want = tl.minimum(tl.maximum(tl.load(lp_n_ptr + i), 0), NPAD_MAX).to(tl.int32)
     t = tl.load(temp_ptr + i)
     t_eff = tl.where(t > 0, t, 1.0)
     keep_all = t_eff == 1.0
