@@ -23,6 +23,8 @@ from test_triton_backend import DEVICE, _case, run_both  # noqa: E402
 
 MIXED = [(None, "raw"), (0, "raw"), (3, "processed"), (5, "raw"), (0, "processed"),
          (2, "raw"), (1, "processed")]
+MIXED_GENERAL = [(None, "raw"), (0, "raw"), (3, "processed"), (20, "processed"), (0, "processed"),
+                 (1, "processed")]
 
 
 def _with_logprobs(batch: SamplingBatch, lps, vocab: int) -> SamplingBatch:
@@ -62,11 +64,17 @@ def _assert_same(out, ref):
     ("draft_probs", "block", "filters", torch.float32, 4000),
 ])
 def test_matches_torch_backend(kind, method, processors, dtype, vocab):
-    logits, d, ks, batch, pos, extra = _case(7, 7, vocab, dtype, kind, processors=processors)
-    batch = _with_logprobs(batch, MIXED, vocab)
+    logits, d, ks, batch0, pos, extra = _case(7, 7, vocab, dtype, kind, processors=processors)
+    batch = _with_logprobs(batch0, MIXED, vocab)
     out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
-    assert path == ["triton.logprobs.fused"]
+    # raw top-n on the general path rank raw logits whose tile maxima no pass wrote
+    assert path == ["triton.logprobs.torch" if processors is True else "triton.logprobs.fused"]
     _assert_same(out, ref)
+    if processors is True:  # the general path without raw top-n stays on the kernels
+        batch = _with_logprobs(batch0, MIXED_GENERAL, vocab)
+        out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+        assert path == ["triton.logprobs.fused"]
+        _assert_same(out, ref)
 
 
 @pytest.mark.parametrize("n_top", [5, 20])
@@ -189,6 +197,42 @@ def test_tile_threshold_skips_no_candidate(n_top):
     assert path == ["triton.logprobs.fused"]
     _assert_same(out, ref)
     assert torch.isinf(out.logprobs[2, 0, 2:]).all()  # top_k=1: one survivor, then -inf
+
+
+@pytest.mark.parametrize("n_top", [3, 4, 32])
+def test_top_n_from_the_best_ranked_tiles(n_top):
+    # The kernels read only the n best tiles by (maximum, tile), tile of rank q for its best
+    # n - q entries. Rows where that bound is tight: all of the top n in one tile, the tile
+    # of rank 1 holding n - 1 of them, tile maxima tied (the lower tile ranks first), and
+    # -0.0 tying +0.0 (the lower id first). With n = 32 the tied rows give more than 64
+    # candidates (the merge's larger sort).
+    vocab, tile = 8192, 2048
+    x = torch.full((6, vocab), -5.0)
+    x[0, 2 * tile + torch.arange(n_top) * 97] = 10.0 - 0.25 * torch.arange(n_top).float()
+    x[1, 3 * tile + 5] = 20.0
+    x[1, tile + torch.arange(n_top) * 31] = 19.0 - 0.25 * torch.arange(n_top).float()
+    x[2] = torch.arange(vocab).remainder(7).float()  # max 6 in every tile, many times
+    x[3, :] = -1.0
+    x[3, 3 * tile + 1], x[3, tile + 7], x[3, 100] = 0.0, -0.0, -0.0
+    x[4, tile - 1], x[4, tile] = 3.0, 3.0  # the top pair straddles a tile boundary
+    x[5] = -torch.arange(vocab).float()  # descending: everything in tile 0
+    logits = x.to(torch.bfloat16).to(DEVICE)
+    cases = [(1.0, "raw", {}), (0.7, "raw", {}), (1.0, "processed", dict(top_k=2)),
+             (0.8, "processed", {}), (0.0, "processed", {}), (1.0, "raw", dict(top_p=0.5))]
+    params = [SamplingParams(temperature=t, seed=i, logprobs=n_top, logprobs_mode=mode, **kw)
+              for i, (t, mode, kw) in enumerate(cases)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
+    ids = out.logprob_token_ids[:, 0, 1:].cpu()
+    assert ids[0].tolist() == (2 * tile + torch.arange(n_top) * 97).tolist()
+    assert ids[1].tolist() == [3 * tile + 5] + (tile + torch.arange(n_top - 1) * 31).tolist()
+    dropped = [t for t in range(vocab) if t not in (6, 13)]
+    assert ids[2].tolist() == ([6, 13] + dropped)[:n_top]  # top_k=2, then the rest by id
+    assert ids[3, :3].tolist() == [100, tile + 7, 3 * tile + 1]
+    assert ids[5].tolist() == list(range(n_top))
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 3, 2049])

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import rng
+from .logprobs import rank_tiles
 
 STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
 STREAM_ACCEPT = tl.constexpr(rng.STREAM_ACCEPT)
@@ -135,13 +136,14 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  k_given_ptr, live_extra, temp_ptr,
                  part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                  S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
-                 WRITE_TOP: tl.constexpr,
-                 TPC: tl.constexpr, BLOCK: tl.constexpr):
+                 WRITE_TOP: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
     probabilities) and flags; with WRITE_TILES, per tile a reference ``ref`` (the max of its
     chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
-    (ref - max) / T + log(sum), and with WRITE_TOP the tile's own maximum (for the filter
-    kernel's search bounds). A split covers CPS chunks: one load of TPC * BLOCK elements per
+    (ref - max) / T + log(sum), and with WRITE_TOP the tile's own maximum (the filter
+    kernels' search bounds, the top-n logprobs' tile ranking; the chunk's maximum is then
+    taken from the tiles', but the per-tile reduction still costs about 10% more shuffles
+    than one of the whole chunk). A split covers CPS chunks: one load of TPC * BLOCK elements per
     iteration, about five instructions per element (convert, max, FMA, exp2, add). Errors need
     no per-element test for logits: a NaN or +inf makes the sum NaN, and a row with no finite
     value has max -inf. Rows past the request's live range (``j >= k_eff + live_extra``) are
@@ -167,16 +169,21 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
             offs = c * CHUNK + offs0
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
-            cmax = tl.max(x, axis=0)
             if IS_PROBS:
+                cmax = tl.max(x, axis=0)
                 fin = (x > -float("inf")) & (x < float("inf"))
                 bad = mask & ((x != x) | ~fin | (x < 0))
                 flag_v |= bad.to(tl.int32) * FLAG_BAD | fin.to(tl.int32) * FLAG_FINITE
                 sum_v += tl.where(fin, x, 0.0)
                 m = tl.maximum(m, cmax)
             else:
-                ref = tl.where(cmax == -float("inf"), 0.0, cmax)
                 x2 = tl.reshape(x, (TPC, BLOCK))
+                if WRITE_TOP:
+                    tmax = tl.max(x2, axis=1)
+                    cmax = tl.max(tmax, axis=0)
+                else:
+                    cmax = tl.max(x, axis=0)
+                ref = tl.where(cmax == -float("inf"), 0.0, cmax)
                 tsum = tl.sum(tl.exp2((x2 - ref) * scale), axis=1)
                 m_new = tl.maximum(m, cmax)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -190,7 +197,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                              mask=tile < NT)
                     tl.store(tilesum_ptr + o_t, tsum, mask=tile < NT)
                     if WRITE_TOP:
-                        tl.store(tiletop_ptr + o_t, tl.max(x2, axis=1), mask=tile < NT)
+                        tl.store(tiletop_ptr + o_t, tmax, mask=tile < NT)
     if IS_PROBS:
         flags = tl.max(flag_v & FLAG_BAD, axis=0) | tl.max(flag_v & FLAG_FINITE, axis=0)
         acc = tl.sum(sum_v, axis=0)
@@ -330,13 +337,17 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, req_temp_ptr,
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
-                  cut_v_ptr, cut_i_ptr, FILTERED: tl.constexpr,
-                  S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                  cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr,
+                  FILTERED: tl.constexpr, RANK: tl.constexpr, NT_SORT: tl.constexpr,
+                  NPAD: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact three-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
     FILTERED: the filter kernels (``filters``) ran first; a filtered row's tile sums are the
-    survivors', its log-normaliser is taken from them, and its draw is restricted to the cut."""
+    survivors', its log-normaliser is taken from them, and its draw is restricted to the cut.
+    RANK: rows of requests that ask for top-n logprobs also rank their tiles
+    (``logprobs.rank_tiles``)."""
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
@@ -360,6 +371,10 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     elif ok:
         y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
+    if RANK:
+        n_top = tl.load(lp_n_ptr + req)
+        if live & (n_top > 0):
+            rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT, NPAD)
     o = r.to(tl.int64) * 3
     tl.store(out_stats_ptr + o, m)
     tl.store(out_stats_ptr + o + 1, logz)

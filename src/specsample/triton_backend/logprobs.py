@@ -1,28 +1,30 @@
 """Logprobs inside the Triton path: the emitted token's logprob and the top-n, no [rows, V]
 float32 buffer, no sort of a row, no host synchronisation (docs/semantics.md, Outputs).
 
-Two launches over the output grid (request i, position j); only the emitted positions
-(j <= num_accepted[i]) of valid requests do work, the others exit at once. (One program per
-position, not per request looping over its positions: the per-row work is latency-bound,
-and at B = 128 the per-request loop measured 157 us against 129 us for top-5.)
+The top-n rest on the statistics pass's tile maxima. Rank a row's tiles by (maximum
+descending, tile ascending): the tile of rank q holds at most n - q of the row's top n
+entries (the q tiles ranked above it each hold an entry, their maximum, that beats every
+entry of it), and no entry below L, the maximum of the tile of rank n - 1, is among them.
+So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
 
-1. ``topn_partial_kernel`` (grid positions x vocabulary splits), for the emitted positions
-   that need it (top-n asked for, or raw logprobs whose normaliser the sampling statistics
-   do not give: temperature other than 0 / 1, a filter cut, or the general path). Per
-   split: the raw row's max and sum of exp (online softmax at temperature 1) when needed,
-   and the split's best ``n`` entries by (value descending, id ascending). The statistics
-   pass wrote each tile's maximum; the n-th largest of them, L, is a lower bound of the
-   n-th largest value, so only tiles whose maximum reaches L are read (about n of a row's
-   tiles) and only their entries >= L are extracted into the list.
-2. ``logprob_merge_kernel`` (grid positions): column 0 from one gathered logit and the
-   normaliser (the sampling statistics' max and log-normaliser, or the merged raw splits),
-   columns 1..n by merging the splits' lists; -inf / -1 padding.
+1. ``rank_tiles`` (inside ``kernels.sample_kernel``, per row of a request that asks for
+   top-n): sorts the row's tile maxima as one int64 key each and writes the n best tiles
+   and L.
+2. ``topn_partial_kernel`` (grid emitted positions x max(n, splits)): program q takes the
+   tile of rank q and extracts its best n - q entries >= L, one reduction of packed
+   (value, id) keys per entry; and, when the sampling statistics do not give the raw row's
+   normaliser (raw logprobs with a temperature other than 0 / 1, a filter cut, or the
+   general path's processed rows), split q's max and sum of exp at temperature 1.
+3. ``logprob_merge_kernel`` (grid positions): column 0 from one gathered logit and the
+   normaliser, columns 1..n by extracting the best keys of the position's candidates;
+   -inf / -1 padding. Positions past the accepted prefix exit at once in every kernel.
 
 Ranking is by the values before normalisation (the raw logits, the general path's processed
 float32 logits), so two entries that round to the same logprob keep their exact order; ties
 go to the lower id. In processed mode the filters' survivors are a prefix of that order, so
 the top-n are the ranked entries while they survive, then the dropped tokens at -inf, lowest
-ids first (as the PyTorch backend ranks them).
+ids first (as the PyTorch backend ranks them). Raw top-n on the general path (whose tile
+maxima are of the processed rows) take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -38,17 +40,50 @@ from ..plan import Plan
 
 BLOCK_TILE = rng.TILE
 NPAD = 32  # most top-n logprobs per request on this path (more take the PyTorch path)
-S_MAX = 32  # most vocabulary splits per row of the partial kernel
+CAND = NPAD * (NPAD + 1) // 2  # candidates per position: n(n+1)/2 at most
+S_MAX = 32  # most vocabulary splits per row for the raw normaliser
 BIG = tl.constexpr(2147483647)
 NPAD_MAX = tl.constexpr(NPAD)
+# below every key of a value (-inf's key is about -2**63 + 2**55)
+EMPTY = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def _key(v, ids):
+    """One int64 per (value, id) whose order is (value descending, id ascending): the float's
+    bits made order-preserving as a signed integer, above BIG - id. -0.0 counts as 0.0."""
+    b = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+    o = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (o.to(tl.int64) << 32) | (2147483647 - ids.to(tl.int64))  # (BIG - id)
+
+
+@triton.jit
+def _unkey(k):
+    """(value float32, id int32) of a key from :func:`_key`."""
+    o = (k >> 32).to(tl.int32)
+    b = o ^ ((o >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True), (2147483647 - (k & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT: tl.constexpr,
+               NPAD: tl.constexpr):
+    """Row ``r``'s NPAD best tiles by (maximum desc, tile asc) as keys (``_key`` of (maximum,
+    tile), EMPTY past the row's tiles) into rank[r], and its candidate count reset to 0."""
+    t_idx = tl.arange(0, NT_SORT)
+    tops = tl.load(tiletop_ptr + r.to(tl.int64) * NT + t_idx, mask=t_idx < NT,
+                   other=-float("inf"))
+    srt = tl.sort(tl.where(t_idx < NT, _key(tops, t_idx), EMPTY), descending=True)
+    tl.store(rank_ptr + r.to(tl.int64) * NPAD + t_idx, srt, mask=t_idx < NPAD)
+    tl.store(count_ptr + r, 0)
 
 
 @triton.jit
 def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr,
               temp_ptr, cut_v_ptr, cut_i_ptr, FILTERED: tl.constexpr, GENERAL: tl.constexpr):
     """Decode grid position ``p``: (request, row, emitted, raw mode, n wanted, whether the
-    partial kernel runs for it, whether the sampling statistics are the raw row's (temperature
-    0 / 1, no filter cut, not the general path), the divisor of processed logprobs)."""
+    sampling statistics are the raw row's (temperature 0 / 1, no filter cut, not the general
+    path), the divisor of processed logprobs)."""
     i = p // K1
     j = p % K1
     emitted = (j <= tl.load(num_acc_ptr + i)) & (tl.load(invalid_ptr + i) == 0)
@@ -64,115 +99,119 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
         keep_all = keep_all & (cut_v == -float("inf")) & (cut_i == BIG)
     if GENERAL:
         keep_all = t_eff < 0.0  # (never)
-    need = emitted & ((n_want > 0) | (raw & ~keep_all))
-    return i, j, r, emitted, raw, n_want, need, keep_all, t_eff
+    return i, j, r, emitted, raw, n_want, keep_all, t_eff
 
 
-@triton.jit(do_not_specialize=["K1", "NT", "S", "CPS"])
+@triton.jit(do_not_specialize=["K1", "S", "CPS", "G"])
 def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                         invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
-                        cut_v_ptr, cut_i_ptr, tiletop_ptr, NT, pm_ptr, ps_ptr, cand_v_ptr,
-                        cand_i_ptr, S, CPS, FILTERED: tl.constexpr, GENERAL: tl.constexpr,
-                        HAS_TOP: tl.constexpr, NT_SORT: tl.constexpr, NPAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Per (position, split): the raw row's max and sum exp (temperature 1) when the sampling
-    statistics do not give its normaliser, and the split's best ``n`` entries by (value desc,
-    id asc) of the row the position ranks (raw logits in raw mode, else the rows sampled from,
-    unmasked: merging applies the filters' cut) as [NPAD] lists; slots past ``n`` hold
-    (+inf, -1), unfilled ones (-inf, BIG).
+                        cut_v_ptr, cut_i_ptr, rank_ptr, count_ptr, pm_ptr, ps_ptr, cand_ptr,
+                        S, CPS, G, FILTERED: tl.constexpr, GENERAL: tl.constexpr,
+                        NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (position, q) of an emitted position: for each rank rq = q, q + G, ... below
+    n, the best n - rq entries >= L of the tile of rank rq (``rank_tiles``) of the row the
+    position ranks (the rows sampled from, unmasked: merging applies the filters' cut),
+    appended as keys to the position's candidates (an atomic count per row; n(n+1)/2 at
+    most, so never past CAND); with q < S when the raw normaliser is needed, the raw row's
+    max and sum of exp over split q (CPS tiles).
 
-    With HAS_TOP (the statistics pass wrote each tile's maximum) the n-th largest tile
-    maximum L bounds the n-th largest value from below: only tiles whose maximum reaches L
-    are read (about n of them) and only their entries >= L are collected."""
+    The extraction starts from the tile's maximum (its rank key holds it): per entry one
+    minimum of ids (the lowest id at the value) and one maximum of what is left >= L."""
     p = tl.program_id(0)
-    s = tl.program_id(1)
-    i, j, r, emitted, raw, n_want, need, keep_all, t_eff = _position(
+    q = tl.program_id(1)
+    i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
         cut_v_ptr, cut_i_ptr, FILTERED, GENERAL)
-    if need:
-        full = raw & ~keep_all  # the raw normaliser: every tile
-        lo = -float("inf")
-        if HAS_TOP:
-            t_idx = tl.arange(0, NT_SORT)
-            tops = tl.load(tiletop_ptr + r.to(tl.int64) * NT + t_idx, mask=t_idx < NT,
-                           other=-float("inf"))
-            srt = tl.sort(tops, descending=True)
-            lo = tl.max(tl.where(t_idx == n_want - 1, srt, -float("inf")), axis=0)
-            if GENERAL:  # (the tile maxima are of the processed rows, not the raw ones)
-                lo = tl.where(raw, -float("inf"), lo)
-        slots = tl.arange(0, NPAD)
-        live_slot = slots < n_want
-        bv = tl.where(live_slot, -float("inf"), float("inf"))
-        bi = tl.where(live_slot, BIG, -1)
-        wv = tl.min(bv, axis=0)
-        wi = tl.max(tl.where(bv == wv, bi, -1), axis=0)
-        wslot = tl.min(tl.where((bv == wv) & (bi == wi), slots, NPAD), axis=0)
+    lanes = tl.arange(0, BLOCK)
+    if emitted & raw & ~keep_all & (q < S):
         m = -float("inf")
         acc = 0.0
-        lanes = tl.arange(0, BLOCK)
-        for c in range(s * CPS, s * CPS + CPS):  # tiles past the row end are fully masked
-            read = full
-            if HAS_TOP:
-                top = tl.load(tiletop_ptr + r.to(tl.int64) * NT + c, mask=c < NT,
-                              other=-float("inf"))
-                read = read | ((c < NT) & (top >= lo))
-            else:
-                read = read | (c < NT)
-            if read:
-                offs = c * BLOCK + lanes
-                mask = offs < V
-                if raw:
-                    x = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + offs, mask=mask,
-                                other=-float("inf")).to(tl.float32)
-                    if full:
-                        cmax = tl.max(x, axis=0)
-                        m_new = tl.maximum(m, cmax)
-                        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                        acc = acc * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-                        m = m_new
-                else:
-                    x = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + offs, mask=mask,
-                                other=-float("inf")).to(tl.float32)
-                rk = x
-                ids = tl.where(mask, offs, BIG)
-                v = tl.max(rk, axis=0)
-                go = (v >= lo) & ((v > wv) | ((v == wv) & (wi == BIG)))
-                while go:
-                    best_i = tl.min(tl.where(rk == v, ids, BIG), axis=0)
-                    ok = (best_i < BIG) & ((v > wv) | ((v == wv) & (best_i < wi)))
-                    put = (slots == wslot) & ok
-                    bv = tl.where(put, v, bv)
-                    bi = tl.where(put, best_i, bi)
-                    wv = tl.min(bv, axis=0)
-                    wi = tl.max(tl.where(bv == wv, bi, -1), axis=0)
-                    wslot = tl.min(tl.where((bv == wv) & (bi == wi), slots, NPAD), axis=0)
-                    taken = ids == best_i
-                    rk = tl.where(taken, -float("inf"), rk)
-                    ids = tl.where(taken, BIG, ids)
-                    v = tl.max(rk, axis=0)
-                    go = ok & (v >= lo) & ((v > wv) | ((v == wv) & (wi == BIG)))
-        o = p.to(tl.int64) * S + s
+        for c in range(q * CPS, q * CPS + CPS):  # tiles past the row end are fully masked
+            offs = c * BLOCK + lanes
+            x = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + offs, mask=offs < V,
+                        other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            acc = acc * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m = m_new
+        o = p.to(tl.int64) * S + q
         tl.store(pm_ptr + o, m)
         tl.store(ps_ptr + o, acc)
-        tl.store(cand_v_ptr + o * NPAD + slots, bv)
-        tl.store(cand_i_ptr + o * NPAD + slots, bi)
+    if emitted & (q < n_want):
+        slots = tl.arange(0, NPAD)
+        o_rank = r.to(tl.int64) * NPAD
+        k_lo = tl.load(rank_ptr + o_rank + n_want - 1)
+        lo, _ = _unkey(k_lo)
+        lo = tl.where(k_lo == EMPTY, -float("inf"), lo)
+        for rq in range(q, n_want, G):  # the ranks this program takes
+            k_tile = tl.load(rank_ptr + o_rank + rq)
+            if k_tile != EMPTY:
+                v, tile = _unkey(k_tile)
+                offs = tile * BLOCK + lanes
+                # (NaN: past the row, or taken; never >= L nor equal to a value)
+                x = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + offs, mask=offs < V,
+                            other=float("nan")).to(tl.float32)
+                got = tl.full([NPAD], EMPTY, tl.int64)
+                c = 0
+                best = tl.min(tl.where(x == v, offs, BIG), axis=0)
+                while (c < n_want - rq) & (best < BIG) & (v >= lo):
+                    got = tl.where(slots == c, _key(v, best), got)
+                    x = tl.where(offs == best, float("nan"), x)
+                    c += 1
+                    v = tl.max(tl.where(x >= lo, x, -float("inf")), axis=0)
+                    best = tl.min(tl.where(x == v, offs, BIG), axis=0)
+                if c > 0:
+                    at = tl.atomic_add(count_ptr + r, c)
+                    tl.store(cand_ptr + p.to(tl.int64) * CAND + at + slots, got, mask=slots < c)
+
+
+@triton.jit
+def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
+                 out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED: tl.constexpr,
+                 NPAD: tl.constexpr):
+    """Columns 1..n of one position from its candidate keys (any order, EMPTY padding): the
+    best while they survive the filters' cut (a prefix), then the dropped tokens at -inf,
+    lowest ids first (found among the first 2 * NPAD ids), then -inf / -1."""
+    srt = tl.sort(keys, descending=True)
+    v, ids = _unkey(srt)
+    idx = tl.arange(0, keys.shape[0])
+    surv = (srt != EMPTY) & ((v > cut_v) | ((v == cut_v) & (ids <= cut_i)))
+    kept = tl.sum((surv & (idx < n_want)).to(tl.int32), axis=0)
+    live = idx < kept
+    tl.store(out_v_ptr + o_out + 1 + idx, (v - m) / div - logz, mask=live)
+    tl.store(out_i_ptr + o_out + 1 + idx, ids.to(tl.int64), mask=live)
+    filled = kept
+    if FILTERED:
+        low = tl.arange(0, 2 * NPAD)
+        x_low = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + low, mask=low < V,
+                        other=0.0).to(tl.float32)
+        dropped = (low < V) & ~((x_low > cut_v) | ((x_low == cut_v) & (low <= cut_i)))
+        col = kept + tl.cumsum(dropped.to(tl.int32), axis=0)  # 1-based
+        put = dropped & (col <= n_want)
+        tl.store(out_v_ptr + o_out + col, tl.full([2 * NPAD], -float("inf"), tl.float32),
+                 mask=put)
+        tl.store(out_i_ptr + o_out + col, low.to(tl.int64), mask=put)
+        filled += tl.sum(put.to(tl.int32), axis=0)
+    rest = (cols > filled) & (cols <= n_want)
+    tl.store(out_v_ptr + o_out + cols, tl.full(cols.shape, -float("inf"), tl.float32),
+             mask=rest)
+    tl.store(out_i_ptr + o_out + cols, tl.full(cols.shape, -1, tl.int64), mask=rest)
 
 
 @triton.jit(do_not_specialize=["K1", "S", "NOUT"])
 def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                          invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
                          cut_v_ptr, cut_i_ptr, stats_ptr, token_ids_ptr, pm_ptr, ps_ptr,
-                         cand_v_ptr, cand_i_ptr, S, out_v_ptr, out_i_ptr, NOUT,
+                         cand_ptr, count_ptr, S, out_v_ptr, out_i_ptr, NOUT,
                          FILTERED: tl.constexpr, GENERAL: tl.constexpr, NPAD: tl.constexpr,
+                         CAND: tl.constexpr, CAND_PAD: tl.constexpr, SMALL: tl.constexpr,
                          S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
-    """Per position: column 0 (the emitted token's logprob), columns 1..n (the top-n merged
-    from the splits' lists), -inf / -1 elsewhere and at positions not emitted.
-
-    Processed mode with a filter cut: the survivors are a prefix of the row in (value, id)
-    order, so the top-n are the merged entries while they survive, then the dropped tokens
-    at -inf, lowest ids first (found among the first 2 * NPAD ids)."""
+    """Per position: column 0 (the emitted token's logprob), columns 1..n (``_emit_sorted``
+    of its candidates: a sort of SMALL keys when that many hold them, as they usually do,
+    else of CAND_PAD), -inf / -1 elsewhere and at positions not emitted."""
     p = tl.program_id(0)
-    i, j, r, emitted, raw, n_want, need, keep_all, t_eff = _position(
+    tok = tl.load(token_ids_ptr + p)  # (with the position's scalars: one round of loads fewer)
+    i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
         cut_v_ptr, cut_i_ptr, FILTERED, GENERAL)
     cols = tl.arange(0, OUT_PAD)
@@ -182,14 +221,13 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
     tl.store(out_v_ptr + o_out + cols, tl.full([OUT_PAD], -float("inf"), tl.float32), mask=pad)
     tl.store(out_i_ptr + o_out + cols, tl.full([OUT_PAD], -1, tl.int64), mask=pad)
     if emitted:
-        tok = tl.load(token_ids_ptr + p)
         m = tl.load(stats_ptr + r.to(tl.int64) * 3)
         logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1)
         cut_v = tl.full((), -float("inf"), tl.float32)
         cut_i = tl.full((), BIG, tl.int32)
         div = tl.where(raw, 1.0, t_eff)
         if raw:
-            if ~keep_all:  # the partial kernel merged: the raw row's own normaliser
+            if ~keep_all:  # the partial kernel's splits: the raw row's own normaliser
                 so = tl.arange(0, S_MAX)
                 o_s = p.to(tl.int64) * S + so
                 pm = tl.load(pm_ptr + o_s, mask=so < S, other=-float("inf"))
@@ -209,95 +247,83 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
         tl.store(out_v_ptr + o_out, (x_tok - m) / div - logz)
         tl.store(out_i_ptr + o_out, tok)
         if n_want > 0:
-            c = tl.arange(0, S_MAX * NPAD)
-            o_c = p.to(tl.int64) * S * NPAD + c
-            ok = c < S * NPAD
-            cv = tl.load(cand_v_ptr + o_c, mask=ok, other=-float("inf"))
-            ci = tl.load(cand_i_ptr + o_c, mask=ok, other=BIG)
-            ci = tl.where(cv == float("inf"), BIG, ci)  # (slots past n)
-            cv = tl.where(cv == float("inf"), -float("inf"), cv)
-            # the dropped tokens of a filtered row, lowest ids first, and their rank
-            low = tl.arange(0, 2 * NPAD)
-            dropped = low < 0
-            if FILTERED:
-                x_low = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + low, mask=low < V,
-                                other=0.0).to(tl.float32)
-                dropped = (low < V) & ~((x_low > cut_v) | ((x_low == cut_v) & (low <= cut_i)))
-            d_rank = tl.cumsum(dropped.to(tl.int32), axis=0) - 1
-            kept = tl.zeros((), tl.int32)
-            tail = n_want < 0
-            for col in range(1, n_want + 1):
-                v = tl.max(cv, axis=0)
-                best = tl.min(tl.where(cv == v, ci, BIG), axis=0)
-                tail = tail | (best == BIG) | ~((v > cut_v) | ((v == cut_v) & (best <= cut_i)))
-                if tail:
-                    best = tl.min(tl.where(dropped & (d_rank == col - 1 - kept), low, BIG),
-                                  axis=0)
-                    lp = tl.full((), -float("inf"), tl.float32)
-                else:
-                    lp = (v - m) / div - logz
-                    kept += 1
-                found = best < BIG
-                tl.store(out_v_ptr + o_out + col, tl.where(found, lp, -float("inf")))
-                tl.store(out_i_ptr + o_out + col, tl.where(found, best, -1).to(tl.int64))
-                taken = ci == best
-                cv = tl.where(taken, -float("inf"), cv)
-                ci = tl.where(taken, BIG, ci)
+            count = tl.load(count_ptr + r)
+            o_c = p.to(tl.int64) * CAND
+            if count <= SMALL:  # (the branches' tensors differ in shape: one call each)
+                cs = tl.arange(0, SMALL)
+                _emit_sorted(tl.load(cand_ptr + o_c + cs, mask=cs < count, other=EMPTY),
+                             n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
+                             out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED, NPAD)
+            else:
+                cb = tl.arange(0, CAND_PAD)
+                _emit_sorted(tl.load(cand_ptr + o_c + cb, mask=cb < count, other=EMPTY),
+                             n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
+                             out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED, NPAD)
 
 
-def supported(plan: Plan) -> bool:
-    """Whether this path serves ``plan``'s logprobs (at most NPAD top-n per request)."""
-    return 0 <= plan.batch.max_logprobs <= NPAD
+def supported(plan: Plan, general: bool) -> bool:
+    """Whether this path serves ``plan``'s logprobs: at most NPAD top-n per request, and no
+    raw top-n on the general path (its tile maxima are of the processed rows)."""
+    batch = plan.batch
+    if not 0 <= batch.max_logprobs <= NPAD:
+        return False
+    return not (general and any(p.logprobs_mode == "raw" and (p.logprobs or 0) > 0
+                                for p in batch.params))
 
 
 def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: torch.Tensor,
                      stats: torch.Tensor, filtered: bool, general: bool, cut_v: torch.Tensor,
                      cut_i: torch.Tensor, token_ids: torch.Tensor, num_accepted: torch.Tensor,
-                     invalid: torch.Tensor, tile_tops: torch.Tensor | None, splits: int,
-                     num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     invalid: torch.Tensor, ranking: tuple[torch.Tensor, torch.Tensor] | None,
+                     splits: int, num_warps: int, programs: int) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
     """Logprobs [N, K+1, 1+n] float32 and their ids int64 (semantics.md, Outputs).
 
     ``raw``: [R, V] the rows' raw logits (model dtype, contiguous rows); ``proc``: the rows the
     kernels sampled from (``raw`` itself, or the general path's float32 processed logits);
     ``temp`` [N] the temperatures the kernels used; ``stats`` [R, 3] (max, log-normaliser,
-    flags), the filters' cuts and [R, NT] each tile's maximum (None when the statistics
-    pass did not write them) from ``draw_rows``; ``token_ids`` [N, K+1] int64,
-    ``num_accepted`` [N] int64, ``invalid`` [N] bool: the final outputs; ``splits``: the
-    partial kernel's vocabulary splits per row (at most S_MAX). No host synchronisation.
+    flags), the filters' cuts and ``ranking`` ([R, NPAD] int64 each row's best tiles as keys,
+    [R] int32 candidate counts: ``rank_tiles``, None when no request asks for top-n) from
+    ``draw_rows``;
+    ``token_ids`` [N, K+1] int64, ``num_accepted`` [N] int64, ``invalid`` [N] bool: the final
+    outputs; ``splits``: the raw normaliser's vocabulary splits per row (at most S_MAX);
+    ``programs``: about how many programs the top-n extraction spreads over. No host
+    synchronisation.
     """
     batch, dev = plan.batch, raw.device
     n, k1 = token_ids.shape
-    nout = batch.max_logprobs + 1
+    n_max = batch.max_logprobs
     vocab = raw.shape[1]
     p = n * k1
     nt = max(1, math.ceil(vocab / BLOCK_TILE))
     s = max(1, min(splits, S_MAX, nt))
     cps = math.ceil(nt / s)
     s = math.ceil(nt / cps)
-    out_v = torch.empty(n, k1, nout, dtype=torch.float32, device=dev)
-    out_i = torch.empty(n, k1, nout, dtype=torch.int64, device=dev)
+    out_v = torch.empty(n, k1, n_max + 1, dtype=torch.float32, device=dev)
+    out_i = torch.empty(n, k1, n_max + 1, dtype=torch.int64, device=dev)
     if p == 0:
         return out_v, out_i
     pm = torch.empty(p, s, dtype=torch.float32, device=dev)
     ps = torch.empty(p, s, dtype=torch.float32, device=dev)
-    cand_v = torch.empty(p, s, NPAD, dtype=torch.float32, device=dev)
-    cand_i = torch.empty(p, s, NPAD, dtype=torch.int32, device=dev)
+    cand = torch.empty(p, CAND if n_max > 0 else 1, dtype=torch.int64, device=dev)
+    rank, count = ranking if ranking is not None else (cand, cand.view(torch.int32))
     common = (num_accepted, invalid.view(torch.uint8), plan.row_start, batch.logprobs_n,
               batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i)
-    run_partial = batch.max_logprobs > 0 or general or filtered or any(
-        p_.logprobs_mode == "raw" and p_.temperature not in (0.0, 1.0) for p_ in batch.params)
-    has_top = tile_tops is not None and batch.max_logprobs > 0
-    nt_sort = max(16, triton.next_power_of_2(nt))
-    if run_partial:
-        topn_partial_kernel[(p, s)](
-            raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common,
-            tile_tops if has_top else pm, nt, pm, ps, cand_v, cand_i, s, cps,
-            FILTERED=filtered, GENERAL=general, HAS_TOP=has_top, NT_SORT=nt_sort, NPAD=NPAD,
-            BLOCK=BLOCK_TILE, num_warps=num_warps)
+    # the raw normaliser, where the sampling statistics are not the raw row's
+    need_full = any(p_.logprobs_mode == "raw" and (
+        general or filtered or p_.temperature not in (0.0, 1.0)) for p_ in batch.params)
+    # ranks per program: about `programs` programs in all (most positions are not emitted)
+    g = min(n_max, max(1, math.ceil(programs / p)))
+    q = max(g, s if need_full else 0)
+    if q > 0:
+        topn_partial_kernel[(p, q)](
+            raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, rank, count, pm, ps,
+            cand, s, cps, max(g, 1), FILTERED=filtered, GENERAL=general, NPAD=NPAD, CAND=CAND,
+            BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1)
     logprob_merge_kernel[(p,)](
         raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, stats, token_ids, pm, ps,
-        cand_v, cand_i, s, out_v, out_i, nout, FILTERED=filtered, GENERAL=general, NPAD=NPAD,
-        S_MAX=S_MAX, OUT_PAD=triton.next_power_of_2(NPAD + 1),
+        cand, count, s, out_v, out_i, n_max + 1, FILTERED=filtered, GENERAL=general,
+        NPAD=NPAD, CAND=CAND, CAND_PAD=triton.next_power_of_2(CAND), SMALL=2 * NPAD, S_MAX=S_MAX,
+        OUT_PAD=triton.next_power_of_2(NPAD + 1),
         num_warps=4 if num_warps > 1 else 1)
     return out_v, out_i
-

@@ -70,7 +70,7 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         temp = batch.temperature
     # k_eff = D for every request (no -1 among the D draft ids): every row j <= D is live.
     draft_ids = torch.zeros(max(tree.depth, 1), dtype=torch.int64, device=dev)
-    _, _, _, y, stats, (cut_v, cut_i) = draw_rows(x, plan, temp, draft_ids, filtered)
+    _, _, _, y, stats, (cut_v, cut_i), _ = draw_rows(x, plan, temp, draft_ids, filtered)
     if not general:
         # The kernels' row flags as the row maxima ``_tree_errors`` reads: NaN for a NaN /
         # +inf row, -inf for a row without a finite logit, 0 otherwise.
