@@ -176,6 +176,19 @@ def test_values_match_the_float64_reference():
     assert float((a[fin] - b[fin]).abs().max()) <= 1e-5
 
 
+def _rows_on_the_kernels(logits, params):
+    """verify() without drafts of ``logits``' rows (one per request) on both backends: the Triton
+    logprob kernels must serve them and agree with the torch backend. Returns the Triton
+    output."""
+    n, vocab = logits.shape
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(logits, d, [0] * n, batch, torch.arange(n, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    _assert_same(out, ref)
+    return out
+
+
 @pytest.mark.parametrize("n_top", [2, 3])
 def test_tile_threshold_skips_no_candidate(n_top):
     # Four tiles; values from {0..9} so tile maxima tie with each other and with the n-th
@@ -191,11 +204,7 @@ def test_tile_threshold_skips_no_candidate(n_top):
              (1.3, "processed", {})]
     params = [SamplingParams(temperature=t, seed=i, logprobs=n_top, logprobs_mode=mode, **kw)
               for i, (t, mode, kw) in enumerate(cases)]
-    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
-    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
-    assert path == ["triton.logprobs.fused"]
-    _assert_same(out, ref)
+    out = _rows_on_the_kernels(logits, params)
     assert torch.isinf(out.logprobs[2, 0, 2:]).all()  # top_k=1: one survivor, then -inf
 
 
@@ -221,11 +230,7 @@ def test_top_n_from_the_best_ranked_tiles(n_top):
              (0.8, "processed", {}), (0.0, "processed", {}), (1.0, "raw", dict(top_p=0.5))]
     params = [SamplingParams(temperature=t, seed=i, logprobs=n_top, logprobs_mode=mode, **kw)
               for i, (t, mode, kw) in enumerate(cases)]
-    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
-    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
-    assert path == ["triton.logprobs.fused"]
-    _assert_same(out, ref)
+    out = _rows_on_the_kernels(logits, params)
     ids = out.logprob_token_ids[:, 0, 1:].cpu()
     assert ids[0].tolist() == (2 * tile + torch.arange(n_top) * 97).tolist()
     assert ids[1].tolist() == [3 * tile + 5] + (tile + torch.arange(n_top - 1) * 31).tolist()
@@ -252,11 +257,7 @@ def test_small_vocabularies_and_split_boundaries(vocab):
              (0.5, "raw", 0, dict(min_p=0.999)), (1.3, "processed", 3, dict(top_p=1e-6))]
     params = [SamplingParams(temperature=t, seed=i, logprobs=n, logprobs_mode=mode, **kw)
               for i, (t, mode, n, kw) in enumerate(cases)]
-    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
-    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    out, ref, path = _both(logits, d, [0] * 6, batch, torch.arange(6, device=DEVICE))
-    assert path == ["triton.logprobs.fused"]
-    _assert_same(out, ref)
+    out = _rows_on_the_kernels(logits, params)
     ids = out.logprob_token_ids[:, 0, 1:].cpu()
     assert (ids[:, vocab:] == -1).all()  # more logprobs than the vocabulary: padding
     assert ids[0, :min(vocab, 32)].tolist() == list(range(min(vocab, 32)))  # constant row
