@@ -165,6 +165,10 @@ def _warmup_then_no_compilation():
     vocab = 32000
     specsample.warmup("cuda", vocab_size=vocab, on_compile="raise")
     assert triton_backend.compilations_after_warmup() == []
+    # the parallel compile ran (variants compiled earlier in this process are not listed)
+    report = triton_backend.warmup_report()
+    assert "error" not in report, report
+    assert report["failed"] == [] and report["compiled"] + report["cached"] == report["variants"]
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for kind in ("onehot", "draft_logits", "draft_probs"):

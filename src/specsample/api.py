@@ -46,7 +46,7 @@ def select_backend(device: torch.device | str) -> str:
 
 def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
            dtypes=(torch.bfloat16, torch.float16, torch.float32), methods=("token", "block"),
-           on_compile: str = "warn") -> int:
+           on_compile: str = "warn", workers: int | None = None) -> int:
     """Compile every Triton kernel variant a deployment can need, then report later compiles.
 
     Covers target dtypes x draft kinds (one-hot, draft_logits, draft_probs) x draft dtypes x
@@ -54,6 +54,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     compilation of a specsample kernel warns (``on_compile="warn"``), raises
     ``CompilationAfterWarmupError`` (``"raise"``) or is only recorded (``"ignore"``); see
     ``specsample.triton_backend.compilations_after_warmup()``. Returns the number of calls.
+    On CUDA the variants missing from Triton's on-disk cache are compiled in ``workers``
+    processes (default one per CPU core; 0: one by one as the calls launch them); see
+    ``specsample.triton_backend.warmup_report()``.
 
     Raises:
         ValueError: an unknown ``on_compile`` or dtype.
@@ -62,7 +65,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     return triton_backend.warmup(device, vocab_size=vocab_size,
                                  draft_vocab_size=draft_vocab_size, dtypes=dtypes,
-                                 methods=methods, on_compile=on_compile)
+                                 methods=methods, on_compile=on_compile, workers=workers)
 
 
 def _draft_kind(plan: Plan) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 
 import torch
@@ -383,6 +384,15 @@ def _post_compile_hook(*args, **kwargs):
     return None
 
 
+def warmup_report() -> dict:
+    """What the last :func:`warmup` on CUDA did to compile in parallel: the variants it
+    collected, how many were already in Triton's on-disk cache, compiled by workers, or
+    failed there (then compiled serially as the calls launched them), and the seconds of
+    each step (``compile_pool.last_report``). Empty if it did not run."""
+    from . import compile_pool
+    return compile_pool.last_report()
+
+
 def compilations_after_warmup() -> list[str]:
     """Descriptions of every kernel compiled after warmup (empty when warmup covered all)."""
     return list(_state["compiles_after_warmup"])
@@ -415,7 +425,8 @@ def install_compile_guard(on_compile: str = "warn") -> None:
 
 def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
            dtypes=(torch.bfloat16, torch.float16, torch.float32),
-           methods=("token", "block"), on_compile: str = "warn") -> int:
+           methods=("token", "block"), on_compile: str = "warn",
+           workers: int | None = None) -> int:
     """Compile every kernel variant a deployment can need, then guard against later compiles.
 
     Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
@@ -425,6 +436,12 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
+
+    On CUDA the variants are compiled in ``workers`` processes first (default: one per CPU
+    core; 0 compiles them one by one as the calls launch them): the calls run once with
+    every compile skipped to list the variants, the ones missing from Triton's on-disk cache
+    are compiled in parallel, then the calls run for real and load them from the cache
+    (``compile_pool``; :func:`warmup_report` says what happened).
 
     Raises:
         ValueError: an unknown ``on_compile`` or dtype.
@@ -442,37 +459,57 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
-    calls = 0
-    for dtype in dtypes:
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"unsupported dtype {dtype}")
-        target = torch.randn(2, vocab_size, generator=gen).to(device=device, dtype=dtype)
-        rows = torch.randn(5, vocab_size, generator=gen).to(device=device, dtype=dtype)
-        drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
-        for plist in (params, filtered, general):
-            batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
-            sample(target, batch, positions=pos, strict=False)
-            # the logprob kernels: top-n (raw and processed; processed alone, which the
-            # general path serves on the kernels), and the raw normaliser alone
-            for n_top, modes in ((2, ("raw", "processed")), (2, ("processed", "processed")),
-                                 (0, ("processed", "raw"))):
-                with_lp = [dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
-                           for p, mode in zip(plist, modes)]
-                sample(target, SamplingBatch.from_params(with_lp, vocab_size=vocab_size,
-                                                         device=device),
-                       positions=pos, strict=False)
-            calls += 4
-            for method in methods:
-                verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
-                calls += 1
-                for ddtype in dtypes:
-                    dl = torch.randn(3, dv, generator=gen).to(device=device, dtype=ddtype)
-                    verify(rows, drafts, k, batch, draft_logits=dl, positions=pos,
-                           method=method, strict=False)
-                    probs = torch.softmax(dl.float(), -1).to(ddtype)
-                    verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
-                           method=method, strict=False)
-                    calls += 2
+
+    def run_calls() -> int:
+        calls = 0
+        for dtype in dtypes:
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"unsupported dtype {dtype}")
+            target = torch.randn(2, vocab_size, generator=gen).to(device=device, dtype=dtype)
+            rows = torch.randn(5, vocab_size, generator=gen).to(device=device, dtype=dtype)
+            drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
+            for plist in (params, filtered, general):
+                batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+                sample(target, batch, positions=pos, strict=False)
+                # the logprob kernels: top-n (raw and processed; processed alone, which the
+                # general path serves on the kernels), and the raw normaliser alone
+                for n_top, modes in ((2, ("raw", "processed")), (2, ("processed", "processed")),
+                                     (0, ("processed", "raw"))):
+                    if plist is general and n_top and "raw" in modes:
+                        # (the PyTorch path: no kernel of its own, and its gathers by token
+                        # id must not meet compile_pool.collect's unwritten outputs)
+                        continue
+                    with_lp = [dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
+                               for p, mode in zip(plist, modes)]
+                    sample(target, SamplingBatch.from_params(with_lp, vocab_size=vocab_size,
+                                                             device=device),
+                           positions=pos, strict=False)
+                calls += 4 - (plist is general)
+                for method in methods:
+                    verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
+                    calls += 1
+                    for ddtype in dtypes:
+                        dl = torch.randn(3, dv, generator=gen).to(device=device, dtype=ddtype)
+                        verify(rows, drafts, k, batch, draft_logits=dl, positions=pos,
+                               method=method, strict=False)
+                        probs = torch.softmax(dl.float(), -1).to(ddtype)
+                        verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
+                               method=method, strict=False)
+                        calls += 2
+        return calls
+
+    if device.type == "cuda" and workers != 0:
+        from triton.runtime import driver
+
+        from . import compile_pool
+        try:
+            compile_pool.parallel_warmup(run_calls, driver.active.get_current_target(),
+                                         workers or os.cpu_count() or 1)
+        except Exception as e:  # (the calls below still compile every variant, serially)
+            compile_pool.record_failure(e)
+            warnings.warn(f"specsample: parallel compilation failed ({e!r}); warmup compiles "
+                          "serially", RuntimeWarning, stacklevel=2)
+    calls = run_calls()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     install_compile_guard(on_compile)

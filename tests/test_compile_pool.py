@@ -1,0 +1,98 @@
+"""``triton_backend.compile_pool``: warmup's parallel compilation. The collect step needs a
+CUDA device (tests/test_triton_gpu.py runs warmup there). Here the workers compile real kernel
+variants for sm_90 (the compiler and ptxas need no GPU) into a fresh Triton cache, the cache
+lookup then finds them, and a variant that cannot compile is reported, not raised. The
+checks run in a subprocess without TRITON_INTERPRET, since the interpreter's kernels cannot
+be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+DRIVER = r'''
+import inspect, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import serialize_specialization_data
+from specsample.triton_backend import compile_pool, logprobs
+
+target = GPUTarget("cuda", 90, 32)
+try:
+    make_backend(target)
+except Exception as e:  # (a Triton build without the NVIDIA backend)
+    print(json.dumps({"skip": repr(e)}))
+    sys.exit(0)
+POINTERS = {"raw_ptr": "*bf16", "proc_ptr": "*bf16", "num_acc_ptr": "*i64",
+            "invalid_ptr": "*u8", "row_start_ptr": "*i64", "lp_n_ptr": "*i64",
+            "lp_proc_ptr": "*u8", "cut_i_ptr": "*i32", "count_ptr": "*i32", "cand_ptr": "*i64",
+            "rank_ptr": "*i64"}
+
+
+def variant(kernel, constexprs, **pointer_types):
+    # as Triton's launcher serialises one: pointers typed (float32 unless named), integers
+    # int32, constexprs by value, 4 warps
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = dict(POINTERS, **pointer_types)
+    signature = {n: "constexpr" if n in constexprs else
+                 types.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
+    constants = {(names.index(k),): v for k, v in constexprs.items()}
+    options = make_backend(target).parse_options({"num_warps": 4})
+    data = serialize_specialization_data(kernel.fn.__name__, signature, constants, {},
+                                         options, "key")
+    return compile_pool.Variant(kernel.fn.__module__, kernel.fn.__name__, data)
+
+
+partial = dict(FILTERED=False, GENERAL=False, NPAD=32, CAND=528, BLOCK=2048)
+good = variant(logprobs.topn_partial_kernel, partial)
+# the atomic count of a float32 pointer added to an address: the real compiler refuses it
+bad = variant(logprobs.topn_partial_kernel, partial, count_ptr="*fp32")
+out = {"before": compile_pool.is_cached(good, target)}
+out["first"] = compile_pool.compile_variants([good, good], target, workers=2)
+out["after"] = compile_pool.is_cached(good, target)
+out["again"] = compile_pool.compile_variants([good], target, workers=4)
+out["bad"] = compile_pool.compile_variants([bad], target, workers=1)
+out["bad_cached"] = compile_pool.is_cached(bad, target)
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"no NVIDIA backend in this Triton: {out['skip']}")
+    out["cache"] = env["TRITON_CACHE_DIR"]
+    return out
+
+
+def test_workers_fill_the_cache_then_find_it(result):
+    assert result["before"] is False
+    first = result["first"]
+    assert first["failed"] == [], first["failed"]
+    assert (first["compiled"], first["cached"]) == (2, 0)
+    assert result["after"] is True
+    assert any(Path(result["cache"]).rglob("*.cubin"))
+    assert result["again"] == {"cached": 1, "compiled": 0, "failed": [], "workers": 0}
+
+
+def test_a_variant_that_cannot_compile_is_reported(result):
+    bad = result["bad"]
+    assert bad["compiled"] == 0
+    assert len(bad["failed"]) == 1 and "topn_partial_kernel" in bad["failed"][0], bad
+    assert result["bad_cached"] is False
