@@ -60,15 +60,11 @@ def test_two_ranks_per_program(monkeypatch):
     assert out.logprob_token_ids[0, :, 1:].tolist() == [[0, TILE, 2 * TILE, 3 * TILE]] * 8
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "topn_partial_kernel runs max(G, S) programs per position but every program q < n "
-    "extracts ranks q, q + G, ...: with S > G (raw logprobs at T not in {0, 1}, a filter cut "
-    "or the general path, anywhere in the batch) programs q >= G repeat ranks that programs "
-    "q - G, ... took, so the same (value, id) enters the candidates twice: top-4 ids "
-    "[0, 2048, 4096, 4096] instead of [0, 2048, 4096, 6144]; the count can also pass "
-    "CAND = 528 (out-of-bounds writes)"))
 @pytest.mark.parametrize("case", ["raw T=0.5", "raw T=1 top_k=2", "processed beside raw T=0.7"])
 def test_ranks_are_extracted_once_when_splits_outnumber_programs(monkeypatch, case):
+    # The partial kernel's grid is max(G, S) programs per position when a raw normaliser is
+    # needed: only programs q < G extract ranks (found by review: programs q >= G repeated
+    # ranks, giving duplicate ids and candidate counts past CAND).
     if case == "raw T=0.5":
         out, ref = _verify_chain(monkeypatch, 0.5)
     elif case == "raw T=1 top_k=2":
@@ -95,14 +91,11 @@ def _general_rows(params):
     return out, ref, path, reference.verify(logits, d, [0, 0], batch, positions=pos)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the general path (here only for bans) keeps processed top-n on the kernels, which rank "
-    "by z' = (y - max) / T; semantics.md and the torch backend rank by the raw logits unless "
-    "logit_bias / penalties are set, so logits that z' rounds together go by id instead: "
-    "[0, 3, 5] instead of [0, 5, 3]; the PyTorch path past 32 (stats_logprobs) ranks the same"))
 @pytest.mark.parametrize("n_top", [3, 33])  # the kernels; the PyTorch path past 32
 def test_general_path_with_bans_ranks_processed_top_n_by_the_exact_value(n_top):
-    # bad words only: no logit_bias / penalties, so the exact order holds
+    # bad words only: no logit_bias / penalties, so the exact order holds (found by review:
+    # the Triton general path ranked by z'; its top-n now take the PyTorch path, which
+    # ranks by the raw logits)
     out, ref, _, want = _general_rows([
         SamplingParams(temperature=1.0, seed=1, logprobs=n_top, logprobs_mode="processed"),
         SamplingParams(temperature=0.0, seed=2, logprobs=3, logprobs_mode="processed",

@@ -211,12 +211,24 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking
 
 
+def exact_rank_rows(plan: Plan, general: bool) -> torch.Tensor | None:
+    """The rows processed top-n rank by on the general path: the raw logits when no request
+    of the batch sets logit_bias or penalties (bans alone keep the logits' own order, which
+    z' = (y - max) / T can round together; docs/semantics.md), else None (z' ranks)."""
+    batch = plan.batch
+    if general and not (batch.needs_bias or batch.needs_penalties):
+        return plan.logits
+    return None
+
+
 def stats_logprobs(x: torch.Tensor, plan: Plan, temp: torch.Tensor, stats: torch.Tensor,
-                   filtered: bool, cut_v: torch.Tensor, cut_i: torch.Tensor):
+                   filtered: bool, cut_v: torch.Tensor, cut_i: torch.Tensor,
+                   rank_rows: torch.Tensor | None = None):
     """The ``processed_logprobs`` callable of ``torch_backend.emitted_logprobs`` from the
     kernels' row statistics (:func:`draw_rows`): ``f(flat)`` gives ([R, V] processed logprobs
-    of rows ``flat``, the rows' values masked to the survivors for ranking), ``f(flat, tok)``
-    only the [R] logprobs at ``tok`` (one gathered logit per row)."""
+    of rows ``flat``, the rows' values masked to the survivors for ranking: ``x``'s, or
+    ``rank_rows``' where given, see :func:`exact_rank_rows`), ``f(flat, tok)`` only the [R]
+    logprobs at ``tok`` (one gathered logit per row)."""
     dev = x.device
     t_eff = torch.where(temp > 0, temp, torch.ones_like(temp))[plan.row_req]
 
@@ -228,6 +240,8 @@ def stats_logprobs(x: torch.Tensor, plan: Plan, temp: torch.Tensor, stats: torch
         m, logz = stats[flat, 0:1], stats[flat, 1:2]
         lp = (xf - m) / t_eff[flat, None] - logz
         rank = xf
+        if rank_rows is not None and tok is None:
+            rank = torch.where(xf == -math.inf, -math.inf, rank_rows[flat].float())
         if filtered:
             cv, ci = cut_v[flat, None], cut_i[flat, None]
             dropped = ~((xf > cv) | ((xf == cv) & (ids <= ci)))
@@ -351,7 +365,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         j = torch.arange(k + 1, device=dev)
         grid = (plan.row_start[:, None] + j).clamp_max(rows - 1)
         emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
-        processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
+        processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i,
+                                   exact_rank_rows(plan, general))
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
     out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
                        logprob_token_ids=logprob_ids, invalid=invalid)

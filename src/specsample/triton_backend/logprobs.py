@@ -137,7 +137,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
         o = p.to(tl.int64) * S + q
         tl.store(pm_ptr + o, m)
         tl.store(ps_ptr + o, acc)
-    if emitted & (q < n_want):
+    if emitted & (q < n_want) & (q < G):  # (programs q >= G only compute normaliser splits)
         slots = tl.arange(0, NPAD)
         o_rank = r.to(tl.int64) * NPAD
         k_lo = tl.load(rank_ptr + o_rank + n_want - 1)
@@ -262,13 +262,18 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
 
 
 def supported(plan: Plan, general: bool) -> bool:
-    """Whether this path serves ``plan``'s logprobs: at most NPAD top-n per request, and no
-    raw top-n on the general path (its tile maxima are of the processed rows)."""
+    """Whether this path serves ``plan``'s logprobs: at most NPAD top-n per request; on the
+    general path (whose tile maxima are of the processed rows z') no raw top-n, and processed
+    top-n only when logit_bias or penalties make z' the order they rank by (semantics.md;
+    with bans alone they rank by the raw logits)."""
     batch = plan.batch
     if not 0 <= batch.max_logprobs <= NPAD:
         return False
-    return not (general and any(p.logprobs_mode == "raw" and (p.logprobs or 0) > 0
-                                for p in batch.params))
+    if not general or batch.max_logprobs == 0:
+        return True
+    if any(p.logprobs_mode == "raw" and (p.logprobs or 0) > 0 for p in batch.params):
+        return False
+    return batch.needs_bias or batch.needs_penalties
 
 
 def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 from .. import paths
 from .. import tree as tree_mod
 from ..outputs import TreeVerifyOutput
-from . import _contiguous_rows, draw_rows, kernels, stats_logprobs
+from . import _contiguous_rows, draw_rows, exact_rank_rows, kernels, stats_logprobs
 
 _FLAG_BAD = int(kernels.FLAG_BAD.value)
 _FLAG_FINITE = int(kernels.FLAG_FINITE.value)
@@ -80,7 +80,8 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         err = tree_mod._tree_errors(plan, plan.draft_probs, row_max)
     invalid = err != 0
     y = y.to(torch.int64)
-    processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i)
+    processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i,
+                               exact_rank_rows(plan, general))
     final, emit = tree_mod.walk(plan, y, invalid, lambda r: processed(r)[0])
     if batch.max_logprobs >= 0:
         paths.record("triton.logprobs.torch", plan.num_rows)
