@@ -295,3 +295,22 @@ def test_processed_top_n_ranks_by_the_exact_logit():
         ref = reference.sample(x, batch, pos)
         assert out.logprob_token_ids[0].tolist() == ref.logprob_token_ids[0].tolist()
         assert out.logprob_token_ids[0, 1:].tolist() == [0, 5, 3]
+
+
+def test_raw_logprobs_exact_at_a_large_vocabulary():
+    # A row with a long flat tail: torch.log_softmax in float32 drifts by 4e-4 from float64 at
+    # V = 131,072; the raw normaliser (float32 blocks of 16, then float64) stays within float32
+    # rounding, for the emitted token and the top-n.
+    vocab = 131072
+    x = torch.full((2, vocab), -5.0)
+    x[0, 0], x[1, 7], x[1, 9] = 10.0, 3.0, 2.5
+    params = [SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=1.0, seed=1, logprobs=0)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab)
+    out = specsample.sample(x, batch, positions=torch.arange(2))
+    want = torch.log_softmax(x.double(), -1)
+    ids, got = out.logprob_token_ids.reshape(2, -1), out.logprobs.reshape(2, -1)
+    for i, n in ((0, 4), (1, 1)):
+        exact = want[i].gather(0, ids[i, :n])
+        assert float((got[i, :n].double() - exact).abs().max()) < 1e-5
+    assert ids[0, 1:4].tolist() == [0, 1, 2]

@@ -316,7 +316,7 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     lies inside them (a full sort of the row is the
     last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
     the top-k, so a boundary there counts as not found yet. The candidates' masses are float64;
-    the total is first estimated from float32 ``exp((y - m) / T)`` (:func:`_block_total`),
+    the total is first estimated from float32 ``exp((y - m) / T)`` (:func:`block_total`),
     whose relative error is below ``2 log(V) 2**-24`` plus exp's ulp (the mean |z| under
     softmax(z) is at most log V) plus ``15 * 2**-24`` (blocks of 16 summed in float32), far
     inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at both ends of that bound
@@ -327,7 +327,7 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
     torch.sub(masked, m[:, None], out=e32).div_(t64.float()[:, None]).exp_()
-    total = _block_total(e32)
+    total = block_total(e32)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
     c = min(v, 16)
@@ -360,7 +360,7 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     return last_v[:, 0], torch.where(alone, v, last_i)[:, 0]
 
 
-def _block_total(e: torch.Tensor) -> torch.Tensor:
+def block_total(e: torch.Tensor) -> torch.Tensor:
     """[R, 1] float64 sums of the rows of ``e`` [R, V] (float32, >= 0): blocks of 16 summed in
     float32 (any order of 15 additions of non-negative terms: relative error at most
     15 * 2**-24), then the blocks in float64. Reads ``e`` once; no [R, V] float64 copy (from

@@ -19,7 +19,7 @@ import torch
 from . import rng, workspace
 from .outputs import VerifyOutput
 from .plan import Plan
-from .processing import process_rows, rows_emptied_by_bans
+from .processing import block_total, process_rows, rows_emptied_by_bans
 
 ERR_LOGITS_NAN = 1  # a NaN or +inf target logit
 ERR_LOGITS_NO_FINITE = 2  # a target row with no finite logit
@@ -286,6 +286,18 @@ def top_n_logprobs(lp: torch.Tensor, n: int,
     return vals, ids
 
 
+def raw_log_normaliser(y: torch.Tensor) -> torch.Tensor:
+    """[R, 1] float32 log sum exp of the rows of ``y`` [R, V] float32 (-inf for a row without a
+    finite value): the max, then the sum of exp(y - max) in blocks of 16 in float32 and the
+    blocks in float64 (``processing.block_total``), so it is exact to float32 rounding at
+    any V (``torch.log_softmax`` in float32 drifts by 4e-4 at V = 131,072 on a row with a
+    long flat tail) and each row's value does not depend on the batch."""
+    m = y.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = block_total(torch.exp(y - m_safe))
+    return (m_safe.double() + total.log()).float()
+
+
 def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens: torch.Tensor,
                      emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N, K+1, 1+n] and their ids for the emitted grid (semantics.md, Outputs).
@@ -293,10 +305,10 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     ``processed_logprobs(flat_rows)`` returns the [R, V] float32 processed log-distribution of
     target rows ``flat_rows`` and the [R, V] values it is ranked by for top-n (before
     normalisation, -inf where dropped), and ``processed_logprobs(flat_rows, tokens)`` only the
-    [R] log-distribution entries at ``tokens``; raw logprobs are log_softmax of
-    ``plan.logits``, ranked by the raw logits. With n = 0 (the
-    emitted token only) processed values are gathered (no [R, V] work); raw ones need one
-    log_softmax of the rows. Top-n comes from one top-k (:func:`top_n_logprobs`), no sort.
+    [R] log-distribution entries at ``tokens``; raw logprobs are the raw logits minus
+    :func:`raw_log_normaliser`, ranked by the raw logits. With n = 0 (the emitted token only)
+    processed values are gathered (no [R, V] work); raw ones need one normaliser per row.
+    Top-n comes from one top-k (:func:`top_n_logprobs`), no sort.
     ``rows``: [N, K+1] target row of each position; ``tokens``: [N, K+1] emitted ids;
     ``emitted``: [N, K+1] bool.
     """
@@ -311,15 +323,14 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     if n == 0:
         col0 = processed_logprobs(flat, tok) if any_processed else None
         if not all_processed:
-            # (log_softmax, not x - logsumexp: its per-row reduction does not depend on R,
-            # which keeps the values batch invariant)
-            raw = torch.log_softmax(plan.logits[flat].float(), dim=-1).gather(1, tok[:, None])[:, 0]
+            raw = (plan.logits[flat, tok].float()[:, None]
+                   - raw_log_normaliser(plan.logits[flat].float()))[:, 0]
             col0 = raw if col0 is None else torch.where(processed, col0, raw)
         vals, ids = col0[:, None], tok[:, None]
     else:
         if not all_processed:
             raw_rank = plan.logits[flat].float()
-            raw_lp = torch.log_softmax(raw_rank, dim=-1)
+            raw_lp = raw_rank - raw_log_normaliser(raw_rank)
         if not any_processed:
             lp, rank = raw_lp, raw_rank
         elif all_processed:
