@@ -251,9 +251,10 @@ def test_kernel_gumbel_noise_matches_rng():
 
 def test_compile_guard_watches_every_kernel_of_the_package(monkeypatch):
     # The guard once matched three kernel names only: the residual, block-mass and filter
-    # kernels could compile after warmup unnoticed. (The hook is called directly: Triton's
-    # interpreter compiles nothing.)
-    from types import SimpleNamespace
+    # kernels could compile after warmup unnoticed; and it once read the kernel from the
+    # wrong attribute of what Triton passes, matching nothing. (The hook is called directly,
+    # with what Triton 3.6's _call_hook passes: Triton's interpreter compiles nothing.)
+    from triton.runtime.jit import JitFunctionInfo
 
     from specsample.triton_backend import filters
 
@@ -262,6 +263,7 @@ def test_compile_guard_watches_every_kernel_of_the_package(monkeypatch):
     monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
     for kernel in (filters.gather_kernel, kernels.block_mass_kernel,
                    kernels.residual_draw_kernel, _noise_kernel):
-        triton_backend._post_compile_hook(fn=SimpleNamespace(fn=kernel.fn), repr=kernel.__name__)
+        info = JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel)
+        triton_backend._post_compile_hook(fn=info, repr=kernel.__name__)
     assert triton_backend.compilations_after_warmup() == [
         "gather_kernel", "block_mass_kernel", "residual_draw_kernel"]

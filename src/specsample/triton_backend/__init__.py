@@ -385,8 +385,9 @@ class CompilationAfterWarmupError(RuntimeError):
 
 def _post_compile_hook(*args, **kwargs):
     # Every kernel of this package counts (the module of the jitted Python function), not a
-    # list of names that new kernels could miss.
-    fn = getattr(kwargs.get("fn"), "fn", None)
+    # list of names that new kernels could miss. Triton passes fn=JitFunctionInfo(module,
+    # name, jit_function) (reading fn.fn, as this did until a review, matched nothing).
+    fn = getattr(getattr(kwargs.get("fn"), "jit_function", None), "fn", None)
     name = getattr(fn, "__qualname__", None) or kwargs.get("repr", "?")
     if not _state["warmed"] or not getattr(fn, "__module__", "").startswith(__name__):
         return None

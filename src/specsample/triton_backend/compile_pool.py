@@ -154,9 +154,10 @@ def compile_variants(variants: Sequence[Variant], target: GPUTarget,
                    "variants": [dataclasses.asdict(v) for v in missing]}, f)
         job = f.name
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the workers import this package from where the caller did
+    # the workers import this package from where the caller did (after the caller's own
+    # path, so that a Triton the caller put first is the workers' too)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     try:
         procs = [subprocess.Popen(
             [sys.executable, "-m", "specsample.triton_backend.compile_pool", job, str(i),
