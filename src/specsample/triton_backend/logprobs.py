@@ -167,7 +167,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
 
 @triton.jit
 def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                 out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED: tl.constexpr,
+                 out_v_ptr, out_i_ptr, o_out, cols, FILTERED: tl.constexpr,
                  NPAD: tl.constexpr):
     """Columns 1..n of one position from its candidate keys (any order, EMPTY padding): the
     best while they survive the filters' cut (a prefix), then the dropped tokens at -inf,
@@ -253,12 +253,12 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                 cs = tl.arange(0, SMALL)
                 _emit_sorted(tl.load(cand_ptr + o_c + cs, mask=cs < count, other=EMPTY),
                              n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED, NPAD)
+                             out_v_ptr, out_i_ptr, o_out, cols, FILTERED, NPAD)
             else:
                 cb = tl.arange(0, CAND_PAD)
                 _emit_sorted(tl.load(cand_ptr + o_c + cb, mask=cb < count, other=EMPTY),
                              n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, NOUT, FILTERED, NPAD)
+                             out_v_ptr, out_i_ptr, o_out, cols, FILTERED, NPAD)
 
 
 def supported(plan: Plan, general: bool) -> bool:
