@@ -14,7 +14,7 @@ from .triton_backend.kernels import _uniform
 _BLOCK = 512
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["w", "head", "nb"])
 def _tile_mass_kernel(x_ptr, stride, w, head, m_ptr, t_ptr, out_ptr, nb,
                       HAS_MT: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """out[r, j] = sum of exp((x - m_r) / t_r) over the local columns of global tile j."""
@@ -55,7 +55,7 @@ def tile_mass(src: torch.Tensor, m: torch.Tensor | None, t: torch.Tensor | None,
     return out.to(torch.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ncol"])
 def _uniform_kernel(lo_ptr, hi_ptr, pos_ptr, c_ptr, out_ptr, ncol, STREAM: tl.constexpr,
                     BLOCK: tl.constexpr):
     r = tl.program_id(0)

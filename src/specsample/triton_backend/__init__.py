@@ -439,6 +439,14 @@ def install_compile_guard(on_compile: str = "warn") -> None:
         triton.knobs.runtime.jit_post_compile_hook = _post_compile_hook
 
 
+def _cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # (no affinity on this OS)
+        return os.cpu_count() or 1
+
+
 def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = None,
            dtypes=(torch.bfloat16, torch.float16, torch.float32),
            methods=("token", "block"), on_compile: str = "warn",
@@ -454,10 +462,12 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     calls made.
 
     On CUDA the variants are compiled in ``workers`` processes first (default: one per CPU
-    core; 0 compiles them one by one as the calls launch them): the calls run once with
-    every compile skipped to list the variants, the ones missing from Triton's on-disk cache
-    are compiled in parallel, then the calls run for real and load them from the cache
-    (``compile_pool``; :func:`warmup_report` says what happened).
+    core this process may use; 0 compiles them one by one as the calls launch them): the
+    calls run once with every compile skipped to list the variants, the ones missing from
+    Triton's on-disk cache are compiled in parallel, then the calls run for real and load them
+    from the cache. A manifest beside the cache then lets the next warmup with the same
+    arguments (and package, Triton and GPU) skip straight to the calls (``compile_pool``;
+    :func:`warmup_report` says what happened).
 
     Raises:
         ValueError: an unknown ``on_compile`` or dtype.
@@ -514,19 +524,30 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         calls += 2
         return calls
 
+    from . import compile_pool
+
     if device.type == "cuda" and workers != 0:
         from triton.runtime import driver
 
-        from . import compile_pool
         try:
+            config = dict(vocab_size=vocab_size, draft_vocab_size=dv, methods=list(methods),
+                          dtypes=[str(d) for d in dtypes], device=str(device))
             compile_pool.parallel_warmup(run_calls, driver.active.get_current_target(),
-                                         workers or os.cpu_count() or 1)
+                                         workers or _cpu_count(), config)
         except Exception as e:  # (the calls below still compile every variant, serially)
             compile_pool.record_failure(e)
             warnings.warn(f"specsample: parallel compilation failed ({e!r}); warmup compiles "
                           "serially", RuntimeWarning, stacklevel=2)
-    calls = run_calls()
+    with compile_pool.count_compiles() as seen:
+        calls = run_calls()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        compile_pool.record_launches(seen)
     install_compile_guard(on_compile)
     return calls
+
+
+# (the kernels' on-disk cache keys, the same in every process: compile_pool.settle_cache_keys)
+from . import compile_pool as _compile_pool  # noqa: E402
+
+_compile_pool.settle_cache_keys()

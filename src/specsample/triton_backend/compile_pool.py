@@ -1,33 +1,44 @@
 """Parallel compilation for :func:`specsample.warmup`.
 
-Triton compiles one kernel variant at a time, on the thread that launches it (about a second
-each, most of it in LLVM and ptxas), and a deployment needs about a hundred variants. So
-``warmup()`` runs its calls three times over:
+Triton compiles one kernel variant at a time, on the thread that launches it (up to eight
+seconds for the kernels that sort, most of it in LLVM and ptxas), and a deployment needs a few
+hundred variants. So ``warmup()`` runs its calls twice over, with compile workers beside them:
 
+0. :class:`Pool` starts the workers (``python -m specsample.triton_backend.compile_pool``),
+   whose imports then overlap the next step. Processes, not threads: the compiler holds the
+   GIL for most of its work.
 1. :func:`collect`: with every compile skipped (Triton's ``jit_cache_hook`` returning True; no
    kernel runs), recording the variants the calls would compile as Triton serialises them
    (``specialization_data``, what ``JITFunction.preload`` reads).
-2. :func:`compile_variants`: the variants missing from Triton's on-disk cache are compiled in
-   worker processes (``python -m specsample.triton_backend.compile_pool``), each writing to
-   that cache. Processes, not threads: the compiler holds the GIL for most of its work.
+2. :meth:`Pool.compile`: the variants missing from Triton's on-disk cache go to the workers
+   one at a time, the slowest kinds first, each worker taking the next when it is done; each
+   writes to that cache.
 3. The calls for real: every compile is then a load from the cache.
 
 A variant that fails in a worker is compiled again in step 3, on the calling thread, where a
-real error surfaces as usual; :func:`last_report` says what each step did.
+real error surfaces as usual; :func:`last_report` says what each step did. After a complete
+warmup a manifest (the cache entries of its variants, keyed by the package's sources, the
+kernels' cache keys, the warmup's arguments, the target and Triton's version) is written
+beside Triton's cache, so that the next warmup of the same deployment finds every entry without
+steps 0-2. :func:`settle_cache_keys` makes the cache keys the same in every process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import triton
 from triton import knobs
@@ -50,8 +61,11 @@ _report: dict = {}
 def last_report() -> dict:
     """What the last parallel warmup did: ``variants`` (collected), ``cached`` (already on
     disk), ``compiled`` (by workers), ``failed`` (worker errors, compiled again serially),
-    ``workers``, and the seconds of each step (``collect_s``, ``compile_s``); or ``error``
-    when the parallel steps failed as a whole. Empty before the first one."""
+    ``workers``, ``manifest`` ("hit": every entry found from the last warmup's list, no
+    collect nor workers; "written"; or why not), ``loaded`` (variants the calls then loaded
+    from the cache) and ``compiled_serially`` (those they compiled: missed), and the seconds
+    of each step (``collect_s``, ``compile_s``); or ``error`` when the parallel steps failed
+    as a whole, or ``skipped``. Empty before the first one."""
     return dict(_report)
 
 
@@ -62,6 +76,33 @@ def _package_kernels() -> list:
     return [v for name, mod in list(sys.modules.items())
             if name.startswith("specsample") and mod is not None
             for v in vars(mod).values() if isinstance(v, JITFunction)]
+
+
+def settle_cache_keys() -> int:
+    """Give every Triton function of this package the cache key it gets when its callees are
+    hashed first, whatever order the kernels are first compiled in; returns the rounds taken.
+
+    Triton 3.6's ``JITFunction.cache_key`` merges a callee's global constants into the
+    caller's key before hashing the callee, so a caller hashed before its callees gets a
+    different key (``DependenciesFinder._update_hash``). Which kernel a process compiles first
+    then changes the on-disk cache keys: the compile workers (and a restarted server) would
+    write entries the launching process never finds. Hashing everything again until no key
+    changes makes every key the complete one in every process.
+    """
+    from triton.runtime.jit import JITCallable
+
+    functions = list({id(v): v for name, mod in list(sys.modules.items())
+                      if name.startswith("specsample") and mod is not None
+                      for v in vars(mod).values() if isinstance(v, JITCallable)}.values())
+    keys = None
+    for rounds in range(1, 33):
+        for f in functions:
+            f.hash = None
+        now = [f.cache_key for f in functions]
+        if now == keys:
+            return rounds
+        keys = now
+    raise RuntimeError("specsample: Triton cache keys did not settle")
 
 
 def collect(calls: Callable[[], object]) -> list[Variant]:
@@ -113,22 +154,28 @@ def _source(variant: Variant, target: GPUTarget):
     return ASTSource(fn, signature, constexprs, attrs), backend, options
 
 
-def is_cached(variant: Variant, target: GPUTarget) -> bool:
-    """Whether Triton's on-disk cache holds the compiled variant (the lookup of
-    ``triton.compile``)."""
+def cache_entry(variant: Variant, target: GPUTarget) -> tuple[str, str]:
+    """(hash, file name) under which ``triton.compile`` stores and finds the variant."""
     # (the names triton.compile uses)
-    from triton.compiler.compiler import (
-        get_cache_invalidating_env_vars,
-        get_cache_key,
-        get_cache_manager,
-    )
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
 
     src, backend, options = _source(variant, target)
     options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
     key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
-    manager = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
-    name = f"{src.name[:150]}.json"
-    return name in (manager.get_group(name) or {})
+    return hashlib.sha256(key.encode("utf-8")).hexdigest(), f"{src.name[:150]}.json"
+
+
+def _entry_exists(entry: Sequence[str]) -> bool:
+    from triton.compiler.compiler import get_cache_manager
+
+    digest, name = entry
+    return name in (get_cache_manager(digest).get_group(name) or {})
+
+
+def is_cached(variant: Variant, target: GPUTarget) -> bool:
+    """Whether Triton's on-disk cache holds the compiled variant (the lookup of
+    ``triton.compile``)."""
+    return _entry_exists(cache_entry(variant, target))
 
 
 def compile_one(variant: Variant, target: GPUTarget) -> None:
@@ -137,41 +184,129 @@ def compile_one(variant: Variant, target: GPUTarget) -> None:
     triton.compile(src, target=target, options=options.__dict__)
 
 
-def compile_variants(variants: Sequence[Variant], target: GPUTarget,
-                     workers: int) -> dict:
-    """Compile the variants missing from the on-disk cache in up to ``workers`` processes.
+# Kernels whose variants take seconds to compile on an H200 host (the sorts: select 8 s,
+# merge 3 s, sample and residual_draw about 1 s; the rest 0.2 s or less): sent first, so
+# that no worker starts one of them last.
+_SLOW_FIRST = ("select_kernel", "logprob_merge_kernel", "sample_kernel", "residual_draw_kernel")
+
+
+class Pool:
+    """Compile workers: started at construction (their imports take seconds, overlapping
+    whatever the caller does next), fed one variant at a time by :meth:`compile`, stopped by
+    :meth:`close`. A worker that dies fails its variant and takes no more."""
+
+    def __init__(self, workers: int) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # the workers import this package from where the caller did (after the caller's own
+        # path, so that a Triton the caller put first is the workers' too)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+        # only the binary and its metadata: what a launch loads (not a cache-key input)
+        env["TRITON_STORE_BINARY_ONLY"] = "1"
+        self._logs = [tempfile.TemporaryFile("w+") for _ in range(max(1, workers))]
+        self._fed: set[int] = set()
+        self._procs = [subprocess.Popen(
+            [sys.executable, "-m", "specsample.triton_backend.compile_pool"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            for log in self._logs]
+
+    @property
+    def workers(self) -> int:
+        return len(self._procs)
+
+    def _log(self, i: int) -> str:
+        self._logs[i].seek(0)
+        return self._logs[i].read()[-2000:]
+
+    def compile(self, variants: Sequence[Variant], target: GPUTarget) -> dict:
+        """Compile ``variants`` for ``target``; returns {"compiled": n, "failed": [error
+        text, ...]}. Never raises for a variant that fails."""
+        queue = deque(sorted(variants, key=lambda v: (
+            _SLOW_FIRST.index(v.name) if v.name in _SLOW_FIRST else len(_SLOW_FIRST))))
+        spec = [target.backend, target.arch, target.warp_size]
+        result = {"compiled": 0, "failed": []}
+        busy: dict[int, Variant] = {}
+        sel = selectors.DefaultSelector()
+
+        def feed(i: int) -> None:
+            if not queue:
+                return
+            v = queue.popleft()
+            try:
+                self._procs[i].stdin.write(json.dumps(
+                    {"target": spec, "variant": dataclasses.asdict(v)}) + "\n")
+                self._procs[i].stdin.flush()
+                busy[i] = v
+                self._fed.add(i)
+            except OSError:  # (the worker is gone: the variant goes to another)
+                queue.appendleft(v)
+                sel.unregister(self._procs[i].stdout)
+                result["failed"].append(f"worker {i} exited: {self._log(i)}")
+
+        for i, p in enumerate(self._procs):
+            sel.register(p.stdout, selectors.EVENT_READ, i)
+        for i in range(len(self._procs)):
+            feed(i)
+        while busy:
+            for key, _ in sel.select():
+                i = key.data
+                line = self._procs[i].stdout.readline()
+                v = busy.pop(i, None)
+                if not line:  # the worker died (its variant is compiled at launch)
+                    sel.unregister(key.fileobj)
+                    result["failed"].append(
+                        f"{v.name if v else '?'}: worker {i} exited: {self._log(i)}")
+                    continue
+                done = json.loads(line)
+                if done["ok"]:
+                    result["compiled"] += 1
+                else:
+                    result["failed"].append(done["error"])
+                feed(i)
+        sel.close()
+        result["failed"] += [f"{v.name}: not compiled, no worker left" for v in queue]
+        return result
+
+    def close(self) -> None:
+        """Stop the workers (one that was never given a variant at once, killed)."""
+        for i, p in enumerate(self._procs):
+            if i not in self._fed:
+                p.kill()
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self._logs:
+            log.close()
+
+
+def compile_variants(variants: Sequence[Variant], target: GPUTarget, workers: int,
+                     pool: Pool | None = None) -> dict:
+    """Compile the variants missing from the on-disk cache in up to ``workers`` processes
+    (those of ``pool`` when given, which the caller closes).
 
     Returns {"cached": n, "compiled": n, "failed": [error text, ...], "workers": n}. Never
     raises for a variant that fails to compile (its launch compiles it again, serially)."""
     missing = [v for v in variants if not _cached_or_false(v, target)]
-    workers = max(1, min(workers, len(missing)))
     result = {"cached": len(variants) - len(missing), "compiled": 0, "failed": [],
-              "workers": workers if missing else 0}
+              "workers": 0}
     if not missing:
         return result
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"target": [target.backend, target.arch, target.warp_size],
-                   "variants": [dataclasses.asdict(v) for v in missing]}, f)
-        job = f.name
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the workers import this package from where the caller did (after the caller's own
-    # path, so that a Triton the caller put first is the workers' too)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    own = pool is None
+    if own:
+        pool = Pool(max(1, min(workers, len(missing))))
     try:
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "specsample.triton_backend.compile_pool", job, str(i),
-             str(workers)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for i in range(workers)]
-        for p in procs:
-            out, err = p.communicate()
-            done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            result["compiled"] += sum(1 for d in done if d["ok"])
-            result["failed"] += [d["error"] for d in done if not d["ok"]]
-            if p.returncode != 0:
-                result["failed"].append(f"worker exited with {p.returncode}: {err[-2000:]}")
+        result.update(pool.compile(missing, target), workers=pool.workers)
     finally:
-        os.unlink(job)
+        if own:
+            pool.close()
     return result
 
 
@@ -182,16 +317,98 @@ def _cached_or_false(variant: Variant, target: GPUTarget) -> bool:
         return False
 
 
-def parallel_warmup(calls: Callable[[], object], target: GPUTarget, workers: int) -> None:
-    """Steps 1 and 2 of the module docstring for ``calls`` (the caller then runs them for
-    real); fills :func:`last_report`."""
+def _manifest_path(config: dict, target: GPUTarget) -> Path:
+    """Where the manifest of a warmup with ``config`` lives: beside Triton's cache, named by
+    a hash of the package's sources, the kernels' cache keys, ``config``, the target and
+    Triton's version (any change gives a new name)."""
+    from triton.runtime.jit import JITCallable
+
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(path.read_bytes())
+    for name, mod in sorted(sys.modules.items()):
+        if name.startswith("specsample") and mod is not None:
+            for attr, v in sorted(vars(mod).items()):
+                if isinstance(v, JITCallable):
+                    h.update(f"{name}.{attr}:{v.cache_key}".encode())
+    h.update(json.dumps([config, [target.backend, target.arch, target.warp_size],
+                         triton.__version__], sort_keys=True, default=str).encode())
+    return Path(knobs.cache.dir) / "specsample_warmup" / f"{h.hexdigest()}.json"
+
+
+def parallel_warmup(calls: Callable[[], object], target: GPUTarget, workers: int,
+                    config: dict) -> None:
+    """Steps 0-2 of the module docstring for ``calls`` (the caller then runs them for real);
+    fills :func:`last_report`. ``config``: what else decides the variants (the warmup's
+    arguments), part of the manifest's name."""
     t0 = time.perf_counter()
-    variants = collect(calls)
-    t1 = time.perf_counter()
-    result = compile_variants(variants, target, workers)
     _report.clear()
-    _report.update(variants=len(variants), collect_s=t1 - t0,
-                   compile_s=time.perf_counter() - t1, **result)
+    if knobs.compilation.always_compile:  # (the cache is not read: nothing to fill)
+        _report.update(skipped="TRITON_ALWAYS_COMPILE is set")
+        return
+    manifest = _manifest_path(config, target)
+    try:
+        entries = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        entries = None
+    if entries is not None and all(_entry_exists(e) for e in entries):
+        _report.update(variants=len(entries), cached=len(entries), compiled=0, failed=[],
+                       workers=0, manifest="hit", collect_s=0.0,
+                       compile_s=time.perf_counter() - t0)
+        return
+    pool = Pool(workers)
+    try:
+        t1 = time.perf_counter()
+        variants = collect(calls)
+        t2 = time.perf_counter()
+        result = compile_variants(variants, target, workers, pool)
+    finally:
+        pool.close()
+    _report.update(variants=len(variants), collect_s=t2 - t1,
+                   compile_s=time.perf_counter() - t2, **result)
+    if not result["failed"]:
+        try:
+            manifest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = manifest.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps([cache_entry(v, target) for v in variants]))
+            os.replace(tmp, manifest)
+            _report["manifest"] = "written"
+        except OSError as e:  # (a read-only cache: every warmup collects)
+            _report["manifest"] = f"not written: {e!r}"
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Within the block, record each specsample kernel variant the process gets from
+    ``triton.compile``: yields {"loaded": n (from the on-disk cache), "compiled": [names]
+    (compiled here, serially)}. Chains any listener already set."""
+    seen = {"loaded": 0, "compiled": []}
+    previous = knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                     cache_hit=cache_hit)
+        fn = getattr(src, "fn", None)
+        if str(getattr(getattr(fn, "fn", None), "__module__", "")).startswith("specsample"):
+            if cache_hit:
+                seen["loaded"] += 1
+            else:
+                seen["compiled"].append(src.name)
+
+    knobs.compilation.listener = listener
+    try:
+        yield seen
+    finally:
+        knobs.compilation.listener = previous
+
+
+def record_launches(seen: dict) -> None:
+    """Add what step 3 did (:func:`count_compiles`) to the report: ``loaded`` and
+    ``compiled_serially`` (variants the parallel steps missed; empty when they covered
+    all)."""
+    if _report:
+        _report.update(loaded=seen["loaded"], compiled_serially=list(seen["compiled"]))
 
 
 def record_failure(error: Exception) -> None:
@@ -200,20 +417,21 @@ def record_failure(error: Exception) -> None:
     _report.update(error=repr(error))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Worker: ``python -m specsample.triton_backend.compile_pool JOB INDEX COUNT`` compiles
-    the job's variants INDEX, INDEX + COUNT, ... and prints one JSON line per variant."""
-    job, index, count = (argv if argv is not None else sys.argv[1:])
-    spec = json.load(open(job))
-    target = GPUTarget(*spec["target"])
-    for v in spec["variants"][int(index)::int(count)]:
-        variant = Variant(**v)
+def main() -> int:
+    """Worker: ``python -m specsample.triton_backend.compile_pool`` reads one JSON job per
+    line on stdin ({"target": [backend, arch, warp size], "variant": {...}}), compiles it and
+    answers one JSON line ({"ok": true} or {"ok": false, "error": text}); exits at EOF."""
+    answer = sys.stdout
+    sys.stdout = sys.stderr  # (anything else printed stays off the answers)
+    for line in sys.stdin:
+        job = json.loads(line)
+        variant = Variant(**job["variant"])
         try:
-            compile_one(variant, target)
-            print(json.dumps({"ok": True}), flush=True)
+            compile_one(variant, GPUTarget(*job["target"]))
+            print(json.dumps({"ok": True}), file=answer, flush=True)
         except Exception as e:  # reported to the parent, which compiles it again serially
             print(json.dumps({"ok": False, "error": f"{variant.name}: {e!r}"[:2000]}),
-                  flush=True)
+                  file=answer, flush=True)
     return 0
 
 

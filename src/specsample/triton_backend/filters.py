@@ -325,7 +325,7 @@ def _ties_kept(mass_gt, e, goal, n_tie):
     return tl.minimum(tl.maximum(n, 1), n_tie)
 
 
-@triton.jit(do_not_specialize=["S", "NT"])
+@triton.jit(do_not_specialize=["S", "NT", "SG"])
 def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
