@@ -80,7 +80,7 @@ def _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, prune_key, m, t, cu
     mass = tl.zeros([NQ], tl.float64)
     for tile in range(0, NT):
         if _pick(ttop_key, toffs, tile) >= prune_key:
-            for sub in tl.static_range(0, BLOCK, SUB):
+            for sub in range(0, BLOCK, SUB):
                 offs = tile * BLOCK + sub + tl.arange(0, SUB)
                 y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
                 ge = (k[None, :] >= thr[:, None]) & alive[None, :]
@@ -133,7 +133,7 @@ def _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, key, n, cut_key, cut_i,
     found = INT_MAX
     for tile in range(0, NT):
         if (found == INT_MAX) & (_pick(ttop_key, toffs, tile) >= key):
-            for sub in tl.static_range(0, BLOCK, SUB):
+            for sub in range(0, BLOCK, SUB):
                 offs = tile * BLOCK + sub + tl.arange(0, SUB)
                 y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
                 eq = (k == key) & alive & (offs < V)

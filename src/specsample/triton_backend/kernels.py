@@ -581,6 +581,21 @@ def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, 
                            S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Residual weights w = max(rho p - q, 0) of tile ``tile`` of request ``i``'s target row
     ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    w = _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
+                          dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
+                          FILTERED, S_MAX)
+    return w, offs
+
+
+@triton.jit
+def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
+                      dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr,
+                      DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr, S_MAX: tl.constexpr):
+    """Residual weights w = max(rho p - q, 0) at token ids ``offs`` of request ``i``'s target
+    row ``r`` and its draft row."""
     t = tl.load(temp_ptr + i)
     t = tl.where(t > 0, t, 1.0)
     dt = tl.load(req_temp_ptr + i)
@@ -590,11 +605,9 @@ def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, 
     dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
     dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
                                    DRAFT_PROBS, S_MAX)
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
     cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
-    w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                          dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
-    return w, offs
+    return _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
+                             dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
 
 
 @triton.jit(**_NOSPEC)
@@ -688,9 +701,16 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                 FILTERED, S_MAX, BLOCK)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
-            # (noise for the whole tile, kept only in the chosen sub-tile: one row per
-            # rejected request, so the spare Philox work is small)
+            # The chosen sub-tile only (weights recomputed from cached rows): noise for
+            # SUBTILE tokens, not BLOCK (a sixteenth of the Philox code to compile and run)
+            offs = sb * SUBTILE + tl.arange(0, SUBTILE)
+            w = _rejected_weights(
+                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
+                FILTERED, S_MAX)
+            logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
-            key = tl.where((w > 0) & (offs // SUBTILE == sb), key, -float("inf"))
-            tok = (tl.argmax(key, axis=0) + bt * BLOCK).to(tl.int32)
+            key = tl.where(w > 0, key, -float("inf"))
+            tok = (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
         tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
