@@ -55,7 +55,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     ``CompilationAfterWarmupError`` (``"raise"``) or is only recorded (``"ignore"``); see
     ``specsample.triton_backend.compilations_after_warmup()``. Returns the number of calls.
     On CUDA the variants missing from Triton's on-disk cache are compiled in ``workers``
-    processes (default one per CPU core; 0: one by one as the calls launch them); see
+    processes (default one per CPU core this process may use, at most 32; 0: one by one as
+    the calls launch them), and a manifest beside the cache lets the next warmup of the same
+    deployment skip straight to loading them; see
     ``specsample.triton_backend.warmup_report()``.
 
     Raises:

@@ -462,12 +462,13 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     calls made.
 
     On CUDA the variants are compiled in ``workers`` processes first (default: one per CPU
-    core this process may use; 0 compiles them one by one as the calls launch them): the
-    calls run once with every compile skipped to list the variants, the ones missing from
-    Triton's on-disk cache are compiled in parallel, then the calls run for real and load them
-    from the cache. A manifest beside the cache then lets the next warmup with the same
-    arguments (and package, Triton and GPU) skip straight to the calls (``compile_pool``;
-    :func:`warmup_report` says what happened).
+    core this process may use, at most 32; 0 compiles them one by one as the calls launch
+    them): the calls run once with every compile skipped to list the variants, the ones
+    missing from Triton's on-disk cache are compiled in parallel, then the calls run for real
+    and load them from the cache. A manifest beside the cache then lets the next warmup with
+    the same arguments (and package, Triton, compiler, torch and GPU) skip straight to the
+    calls (``compile_pool``; :func:`warmup_report` says what happened). One warmup runs at a
+    time in a process.
 
     Raises:
         ValueError: an unknown ``on_compile`` or dtype.
@@ -524,26 +525,33 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         calls += 2
         return calls
 
+    from ..api import select_backend
     from . import compile_pool
 
-    if device.type == "cuda" and workers != 0:
-        from triton.runtime import driver
+    with compile_pool.LOCK:  # (one warmup at a time: the parallel steps swap Triton's hooks)
+        if device.type != "cuda" or workers == 0:
+            compile_pool.reset_report(skipped="not CUDA" if device.type != "cuda"
+                                      else "workers=0")
+        else:
+            from triton.runtime import driver
 
-        try:
-            config = dict(vocab_size=vocab_size, draft_vocab_size=dv, methods=list(methods),
-                          dtypes=[str(d) for d in dtypes], device=str(device))
-            compile_pool.parallel_warmup(run_calls, driver.active.get_current_target(),
-                                         workers or _cpu_count(), config)
-        except Exception as e:  # (the calls below still compile every variant, serially)
-            compile_pool.record_failure(e)
-            warnings.warn(f"specsample: parallel compilation failed ({e!r}); warmup compiles "
-                          "serially", RuntimeWarning, stacklevel=2)
-    with compile_pool.count_compiles() as seen:
-        calls = run_calls()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        compile_pool.record_launches(seen)
-    install_compile_guard(on_compile)
+            try:
+                config = dict(vocab_size=vocab_size, draft_vocab_size=dv,
+                              methods=list(methods), dtypes=[str(d) for d in dtypes],
+                              device=str(device), backend=select_backend(device))
+                compile_pool.parallel_warmup(
+                    run_calls, driver.active.get_current_target(),
+                    workers or min(_cpu_count(), compile_pool.MAX_WORKERS), config)
+            except Exception as e:  # (the calls below still compile every variant, serially)
+                compile_pool.record_failure(e)
+                warnings.warn(f"specsample: parallel compilation failed ({e!r}); warmup "
+                              "compiles serially", RuntimeWarning, stacklevel=2)
+        with compile_pool.count_compiles() as seen:
+            calls = run_calls()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            compile_pool.record_launches(seen)
+        install_compile_guard(on_compile)
     return calls
 
 

@@ -4,9 +4,9 @@ Triton compiles one kernel variant at a time, on the thread that launches it (up
 seconds for the kernels that sort, most of it in LLVM and ptxas), and a deployment needs a few
 hundred variants. So ``warmup()`` runs its calls twice over, with compile workers beside them:
 
-0. :class:`Pool` starts the workers (``python -m specsample.triton_backend.compile_pool``),
-   whose imports then overlap the next step. Processes, not threads: the compiler holds the
-   GIL for most of its work.
+0. :class:`Pool` starts the workers (Python processes running :func:`main`), whose imports
+   then overlap the next step. Processes, not threads: the compiler holds the GIL for most
+   of its work.
 1. :func:`collect`: with every compile skipped (Triton's ``jit_cache_hook`` returning True; no
    kernel runs), recording the variants the calls would compile as Triton serialises them
    (``specialization_data``, what ``JITFunction.preload`` reads).
@@ -15,12 +15,16 @@ hundred variants. So ``warmup()`` runs its calls twice over, with compile worker
    writes to that cache.
 3. The calls for real: every compile is then a load from the cache.
 
-A variant that fails in a worker is compiled again in step 3, on the calling thread, where a
-real error surfaces as usual; :func:`last_report` says what each step did. After a complete
-warmup a manifest (the cache entries of its variants, keyed by the package's sources, the
-kernels' cache keys, the warmup's arguments, the target and Triton's version) is written
-beside Triton's cache, so that the next warmup of the same deployment finds every entry without
-steps 0-2. :func:`settle_cache_keys` makes the cache keys the same in every process.
+A variant that fails (or takes over ``VARIANT_TIMEOUT_S``) in a worker is compiled again in
+step 3, on the calling thread, where a real error surfaces as usual; :func:`last_report` says
+what each step did. After a complete warmup a manifest (the cache entries of its variants,
+keyed by the package's sources, the kernels' cache keys, the warmup's arguments, the target,
+Triton's build and cache-relevant environment, the compiler's version and torch's) is written
+beside Triton's cache, so that the next warmup of the same deployment finds every entry
+without steps 0-2; a manifest whose calls still compiled is deleted. :func:`settle_cache_keys`
+makes the cache keys the same in every process. One warmup runs at a time (:data:`LOCK`); the
+workers use pipes and ``selectors``, so the parallel steps need a POSIX system (elsewhere
+warmup compiles serially).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import selectors
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -55,7 +60,14 @@ class Variant:
     data: str
 
 
+# One warmup at a time: collect() and count_compiles() swap process-wide Triton hooks.
+LOCK = threading.RLock()
+VARIANT_TIMEOUT_S = 600.0  # a worker compiling one variant longer than this is killed
+MAX_WORKERS = 32  # default cap (each worker imports torch: about 300 MB)
+_TAG = "@specsample-compile "  # prefix of the workers' answers
+
 _report: dict = {}
+_manifest: dict = {}  # the path of the last manifest found ("hit"), to delete if stale
 
 
 def last_report() -> dict:
@@ -65,8 +77,20 @@ def last_report() -> dict:
     collect nor workers; "written"; or why not), ``loaded`` (variants the calls then loaded
     from the cache) and ``compiled_serially`` (those they compiled: missed), and the seconds
     of each step (``collect_s``, ``compile_s``); or ``error`` when the parallel steps failed
-    as a whole, or ``skipped``. Empty before the first one."""
+    as a whole, or ``skipped`` (why they did not run). Empty before the first warmup."""
     return dict(_report)
+
+
+def reset_report(skipped: str | None = None) -> None:
+    """Start a new report (with ``skipped``: why the parallel steps will not run)."""
+    _report.clear()
+    _manifest.clear()
+    if skipped:
+        _report["skipped"] = skipped
+
+
+def _ours(module_name: str) -> bool:
+    return module_name == "specsample" or module_name.startswith("specsample.")
 
 
 def _package_kernels() -> list:
@@ -74,13 +98,15 @@ def _package_kernels() -> list:
     from triton.runtime.jit import JITFunction
 
     return [v for name, mod in list(sys.modules.items())
-            if name.startswith("specsample") and mod is not None
+            if _ours(name) and mod is not None
             for v in vars(mod).values() if isinstance(v, JITFunction)]
 
 
 def settle_cache_keys() -> int:
     """Give every Triton function of this package the cache key it gets when its callees are
     hashed first, whatever order the kernels are first compiled in; returns the rounds taken.
+    Run at import (of ``specsample.triton_backend``), before any launch: after launches it
+    would rebuild the recorded global values from the current ones.
 
     Triton 3.6's ``JITFunction.cache_key`` merges a callee's global constants into the
     caller's key before hashing the callee, so a caller hashed before its callees gets a
@@ -88,11 +114,14 @@ def settle_cache_keys() -> int:
     then changes the on-disk cache keys: the compile workers (and a restarted server) would
     write entries the launching process never finds. Hashing everything again until no key
     changes makes every key the complete one in every process.
+
+    Raises:
+        RuntimeError: the keys did not settle in 32 rounds (a call cycle Triton cannot hash).
     """
     from triton.runtime.jit import JITCallable
 
     functions = list({id(v): v for name, mod in list(sys.modules.items())
-                      if name.startswith("specsample") and mod is not None
+                      if _ours(name) and mod is not None
                       for v in vars(mod).values() if isinstance(v, JITCallable)}.values())
     keys = None
     for rounds in range(1, 33):
@@ -109,29 +138,34 @@ def collect(calls: Callable[[], object]) -> list[Variant]:
     """Run ``calls()`` with no specsample kernel launched and return the variants the launches
     would have compiled, each once (already compiled ones too: their in-process caches are
     set aside meanwhile, so that no kernel reads another's unwritten output). The outputs of
-    the calls are garbage."""
+    the calls are garbage. Launches of other threads meanwhile run as usual (they may load
+    or compile variants the cleared caches held); one collect runs at a time."""
     seen: dict[tuple, Variant] = {}
-    previous = knobs.runtime.jit_cache_hook
+    owner = threading.get_ident()
+    with LOCK:
+        previous = knobs.runtime.jit_cache_hook
 
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        if not str(fn.module).startswith("specsample"):
-            return None
-        seen.setdefault((fn.module, fn.name, str(key)),
-                        Variant(fn.module, fn.name, compile["specialization_data"]))
-        return True  # skip the compile and the launch
+        def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+            if threading.get_ident() != owner or not _ours(str(fn.module)):
+                return previous(key=key, repr=repr, fn=fn, compile=compile,
+                                is_manual_warmup=is_manual_warmup,
+                                already_compiled=already_compiled) if previous else None
+            seen.setdefault((fn.module, fn.name, str(key)),
+                            Variant(fn.module, fn.name, compile["specialization_data"]))
+            return True  # skip the compile and the launch
 
-    caches = [entry[0] for k in _package_kernels() for entry in k.device_caches.values()]
-    saved = [dict(c) for c in caches]
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        for c in caches:
-            c.clear()
-        calls()
-    finally:
-        knobs.runtime.jit_cache_hook = previous
-        for c, old in zip(caches, saved):
-            c.clear()
-            c.update(old)
+        caches = [entry[0] for k in _package_kernels() for entry in k.device_caches.values()]
+        saved = [dict(c) for c in caches]
+        knobs.runtime.jit_cache_hook = hook
+        try:
+            for c in caches:
+                c.clear()
+            calls()
+        finally:
+            knobs.runtime.jit_cache_hook = previous
+            for c, old in zip(caches, saved):
+                c.clear()
+                c.update(old)
     return list(seen.values())
 
 
@@ -184,16 +218,23 @@ def compile_one(variant: Variant, target: GPUTarget) -> None:
     triton.compile(src, target=target, options=options.__dict__)
 
 
-# Kernels whose variants take seconds to compile on an H200 host (the sorts: select 8 s,
-# merge 3 s, sample and residual_draw about 1 s; the rest 0.2 s or less): sent first, so
-# that no worker starts one of them last.
-_SLOW_FIRST = ("select_kernel", "logprob_merge_kernel", "sample_kernel", "residual_draw_kernel")
+# Kernels whose variants take seconds to compile on an H200 host (the sorts of the filters'
+# cut and of the top-n merge, the three-level draws): sent first, so that no worker starts
+# one of them last.
+_SLOW_FIRST = ("logprob_merge_kernel", "select_kernel", "sample_kernel", "residual_draw_kernel",
+               "gather_kernel")
+
+# The worker: its stdout goes to stderr before anything is imported, so that nothing but its
+# answers (on a duplicate of the original stdout) reaches the parent.
+_WORKER = ("import os, sys; answer = os.dup(1); os.dup2(2, 1); "
+           "from specsample.triton_backend.compile_pool import main; sys.exit(main(answer))")
 
 
 class Pool:
     """Compile workers: started at construction (their imports take seconds, overlapping
     whatever the caller does next), fed one variant at a time by :meth:`compile`, stopped by
-    :meth:`close`. A worker that dies fails its variant and takes no more."""
+    :meth:`close`. A worker that dies fails its variant and takes no more; one that takes
+    over ``VARIANT_TIMEOUT_S`` on a variant is killed."""
 
     def __init__(self, workers: int) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -201,14 +242,22 @@ class Pool:
         # path, so that a Triton the caller put first is the workers' too)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+        # the cache the caller's Triton uses, also when set in code (knobs.cache.dir)
+        env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
         # only the binary and its metadata: what a launch loads (not a cache-key input)
         env["TRITON_STORE_BINARY_ONLY"] = "1"
-        self._logs = [tempfile.TemporaryFile("w+") for _ in range(max(1, workers))]
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
         self._fed: set[int] = set()
-        self._procs = [subprocess.Popen(
-            [sys.executable, "-m", "specsample.triton_backend.compile_pool"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-            for log in self._logs]
+        try:
+            for _ in range(max(1, workers)):
+                self._logs.append(tempfile.TemporaryFile("w+b"))
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=self._logs[-1], text=True, env=env))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def workers(self) -> int:
@@ -216,7 +265,14 @@ class Pool:
 
     def _log(self, i: int) -> str:
         self._logs[i].seek(0)
-        return self._logs[i].read()[-2000:]
+        return self._logs[i].read()[-2000:].decode("utf-8", "replace")
+
+    def _answer(self, i: int) -> str:
+        """The worker's next answer line ("" at EOF), skipping anything else it printed."""
+        while True:
+            line = self._procs[i].stdout.readline()
+            if not line or line.startswith(_TAG):
+                return line[len(_TAG):]
 
     def compile(self, variants: Sequence[Variant], target: GPUTarget) -> dict:
         """Compile ``variants`` for ``target``; returns {"compiled": n, "failed": [error
@@ -225,7 +281,8 @@ class Pool:
             _SLOW_FIRST.index(v.name) if v.name in _SLOW_FIRST else len(_SLOW_FIRST))))
         spec = [target.backend, target.arch, target.warp_size]
         result = {"compiled": 0, "failed": []}
-        busy: dict[int, Variant] = {}
+        busy: dict[int, tuple[Variant, float]] = {}
+        killed: set[int] = set()
         sel = selectors.DefaultSelector()
 
         def feed(i: int) -> None:
@@ -233,42 +290,55 @@ class Pool:
                 return
             v = queue.popleft()
             try:
-                self._procs[i].stdin.write(json.dumps(
+                self._procs[i].stdin.write(_TAG + json.dumps(
                     {"target": spec, "variant": dataclasses.asdict(v)}) + "\n")
                 self._procs[i].stdin.flush()
-                busy[i] = v
+                busy[i] = (v, time.monotonic())
                 self._fed.add(i)
             except OSError:  # (the worker is gone: the variant goes to another)
                 queue.appendleft(v)
                 sel.unregister(self._procs[i].stdout)
-                result["failed"].append(f"worker {i} exited: {self._log(i)}")
 
-        for i, p in enumerate(self._procs):
-            sel.register(p.stdout, selectors.EVENT_READ, i)
-        for i in range(len(self._procs)):
-            feed(i)
-        while busy:
-            for key, _ in sel.select():
-                i = key.data
-                line = self._procs[i].stdout.readline()
-                v = busy.pop(i, None)
-                if not line:  # the worker died (its variant is compiled at launch)
-                    sel.unregister(key.fileobj)
-                    result["failed"].append(
-                        f"{v.name if v else '?'}: worker {i} exited: {self._log(i)}")
-                    continue
-                done = json.loads(line)
-                if done["ok"]:
-                    result["compiled"] += 1
-                else:
-                    result["failed"].append(done["error"])
+        try:
+            for i, p in enumerate(self._procs):
+                sel.register(p.stdout, selectors.EVENT_READ, i)
+            for i in range(len(self._procs)):
                 feed(i)
-        sel.close()
+            while busy:
+                events = sel.select(timeout=5.0)
+                now = time.monotonic()
+                for i, (_v, start) in list(busy.items()):
+                    if i not in killed and now - start > VARIANT_TIMEOUT_S:
+                        killed.add(i)
+                        self._procs[i].kill()  # (its pipe then reads EOF)
+                for key, _ in events:
+                    i = key.data
+                    line = self._answer(i)
+                    v, _start = busy.pop(i, (None, 0.0))
+                    if not line:  # the worker is gone (its variant is compiled at launch)
+                        sel.unregister(key.fileobj)
+                        if v is not None:
+                            why = (f"timed out after {VARIANT_TIMEOUT_S:.0f} s" if i in killed
+                                   else f"worker {i} exited: {self._log(i)}")
+                            result["failed"].append(f"{v.name}: {why}")
+                        if not busy and queue and sel.get_map():
+                            # (the other workers are idle: wake one)
+                            feed(next(iter(sel.get_map().values())).data)
+                        continue
+                    done = json.loads(line)
+                    if done["ok"]:
+                        result["compiled"] += 1
+                    else:
+                        result["failed"].append(done["error"])
+                    feed(i)
+        finally:
+            sel.close()
         result["failed"] += [f"{v.name}: not compiled, no worker left" for v in queue]
         return result
 
     def close(self) -> None:
-        """Stop the workers (one that was never given a variant at once, killed)."""
+        """Stop the workers (one that was never given a variant at once, killed) and close
+        their pipes and logs."""
         for i, p in enumerate(self._procs):
             if i not in self._fed:
                 p.kill()
@@ -283,6 +353,7 @@ class Pool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            p.stdout.close()
         for log in self._logs:
             log.close()
 
@@ -319,39 +390,56 @@ def _cached_or_false(variant: Variant, target: GPUTarget) -> bool:
 
 def _manifest_path(config: dict, target: GPUTarget) -> Path:
     """Where the manifest of a warmup with ``config`` lives: beside Triton's cache, named by
-    a hash of the package's sources, the kernels' cache keys, ``config``, the target and
-    Triton's version (any change gives a new name)."""
+    a hash of everything the variants and their cache keys depend on: the package's sources
+    and kernels' cache keys, ``config``, the target, Triton's build, its cache-invalidating
+    environment, the compiler backend's version and torch's (any change gives a new name)."""
+    import torch
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, make_backend
+    from triton.runtime.cache import triton_key
     from triton.runtime.jit import JITCallable
 
     h = hashlib.sha256()
     for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         h.update(path.read_bytes())
     for name, mod in sorted(sys.modules.items()):
-        if name.startswith("specsample") and mod is not None:
+        if _ours(name) and mod is not None:
             for attr, v in sorted(vars(mod).items()):
                 if isinstance(v, JITCallable):
                     h.update(f"{name}.{attr}:{v.cache_key}".encode())
     h.update(json.dumps([config, [target.backend, target.arch, target.warp_size],
-                         triton.__version__], sort_keys=True, default=str).encode())
+                         triton_key(), sorted(get_cache_invalidating_env_vars().items()),
+                         make_backend(target).hash(), torch.__version__],
+                        sort_keys=True, default=str).encode())
     return Path(knobs.cache.dir) / "specsample_warmup" / f"{h.hexdigest()}.json"
+
+
+def _read_manifest(path: Path) -> list | None:
+    """The manifest's entries, or None when missing or not a non-empty list of
+    [hash, file name] pairs."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entries, list) and entries and all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)
+        for e in entries)
+    return entries if ok else None
 
 
 def parallel_warmup(calls: Callable[[], object], target: GPUTarget, workers: int,
                     config: dict) -> None:
     """Steps 0-2 of the module docstring for ``calls`` (the caller then runs them for real);
     fills :func:`last_report`. ``config``: what else decides the variants (the warmup's
-    arguments), part of the manifest's name."""
+    arguments and backend), part of the manifest's name."""
     t0 = time.perf_counter()
-    _report.clear()
+    reset_report()
     if knobs.compilation.always_compile:  # (the cache is not read: nothing to fill)
         _report.update(skipped="TRITON_ALWAYS_COMPILE is set")
         return
     manifest = _manifest_path(config, target)
-    try:
-        entries = json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        entries = None
+    entries = _read_manifest(manifest)
     if entries is not None and all(_entry_exists(e) for e in entries):
+        _manifest["path"] = manifest
         _report.update(variants=len(entries), cached=len(entries), compiled=0, failed=[],
                        workers=0, manifest="hit", collect_s=0.0,
                        compile_s=time.perf_counter() - t0)
@@ -366,49 +454,58 @@ def parallel_warmup(calls: Callable[[], object], target: GPUTarget, workers: int
         pool.close()
     _report.update(variants=len(variants), collect_s=t2 - t1,
                    compile_s=time.perf_counter() - t2, **result)
-    if not result["failed"]:
+    if not variants:  # (no kernel launched: the torch backend, say)
+        _report["manifest"] = "not written: no variant"
+    elif not result["failed"]:
+        tmp = manifest.with_suffix(f".tmp{os.getpid()}")
         try:
             manifest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = manifest.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps([cache_entry(v, target) for v in variants]))
             os.replace(tmp, manifest)
             _report["manifest"] = "written"
         except OSError as e:  # (a read-only cache: every warmup collects)
             _report["manifest"] = f"not written: {e!r}"
+            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def count_compiles():
     """Within the block, record each specsample kernel variant the process gets from
     ``triton.compile``: yields {"loaded": n (from the on-disk cache), "compiled": [names]
-    (compiled here, serially)}. Chains any listener already set."""
+    (compiled here, serially)}. Chains any listener already set; one at a time."""
     seen = {"loaded": 0, "compiled": []}
-    previous = knobs.compilation.listener
+    with LOCK:
+        previous = knobs.compilation.listener
 
-    def listener(*, src, metadata, metadata_group, times, cache_hit):
-        if previous is not None:
-            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
-                     cache_hit=cache_hit)
-        fn = getattr(src, "fn", None)
-        if str(getattr(getattr(fn, "fn", None), "__module__", "")).startswith("specsample"):
-            if cache_hit:
-                seen["loaded"] += 1
-            else:
-                seen["compiled"].append(src.name)
+        def listener(*, src, metadata, metadata_group, times, cache_hit):
+            if previous is not None:
+                previous(src=src, metadata=metadata, metadata_group=metadata_group,
+                         times=times, cache_hit=cache_hit)
+            fn = getattr(src, "fn", None)
+            if _ours(str(getattr(getattr(fn, "fn", None), "__module__", ""))):
+                if cache_hit:
+                    seen["loaded"] += 1
+                else:
+                    seen["compiled"].append(src.name)
 
-    knobs.compilation.listener = listener
-    try:
-        yield seen
-    finally:
-        knobs.compilation.listener = previous
+        knobs.compilation.listener = listener
+        try:
+            yield seen
+        finally:
+            knobs.compilation.listener = previous
 
 
 def record_launches(seen: dict) -> None:
     """Add what step 3 did (:func:`count_compiles`) to the report: ``loaded`` and
     ``compiled_serially`` (variants the parallel steps missed; empty when they covered
-    all)."""
-    if _report:
-        _report.update(loaded=seen["loaded"], compiled_serially=list(seen["compiled"]))
+    all). A manifest hit whose calls still compiled is stale: it is deleted, so that the next
+    warmup collects again."""
+    if not _report:
+        return
+    _report.update(loaded=seen["loaded"], compiled_serially=list(seen["compiled"]))
+    if seen["compiled"] and "path" in _manifest:
+        Path(_manifest.pop("path")).unlink(missing_ok=True)
+        _report["manifest"] = "hit, stale: deleted"
 
 
 def record_failure(error: Exception) -> None:
@@ -417,23 +514,21 @@ def record_failure(error: Exception) -> None:
     _report.update(error=repr(error))
 
 
-def main() -> int:
-    """Worker: ``python -m specsample.triton_backend.compile_pool`` reads one JSON job per
-    line on stdin ({"target": [backend, arch, warp size], "variant": {...}}), compiles it and
-    answers one JSON line ({"ok": true} or {"ok": false, "error": text}); exits at EOF."""
-    answer = sys.stdout
-    sys.stdout = sys.stderr  # (anything else printed stays off the answers)
+def main(answer_fd: int) -> int:
+    """Worker (started by :class:`Pool` with its stdout on ``answer_fd`` and fd 1 on stderr):
+    reads one tagged JSON job per line on stdin ({"target": [backend, arch, warp size],
+    "variant": {...}}), compiles it and answers one tagged JSON line ({"ok": true} or
+    {"ok": false, "error": text}); exits at EOF."""
+    answer = os.fdopen(answer_fd, "w")
     for line in sys.stdin:
-        job = json.loads(line)
+        if not line.startswith(_TAG):
+            continue
+        job = json.loads(line[len(_TAG):])
         variant = Variant(**job["variant"])
         try:
             compile_one(variant, GPUTarget(*job["target"]))
-            print(json.dumps({"ok": True}), file=answer, flush=True)
+            print(_TAG + json.dumps({"ok": True}), file=answer, flush=True)
         except Exception as e:  # reported to the parent, which compiles it again serially
-            print(json.dumps({"ok": False, "error": f"{variant.name}: {e!r}"[:2000]}),
+            print(_TAG + json.dumps({"ok": False, "error": f"{variant.name}: {e!r}"[:2000]}),
                   file=answer, flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
