@@ -424,6 +424,34 @@ def test_chi_square_against_softmax():
     assert reports[0]["pvalues"] == reports[1]["pvalues"]
 
 
+# --------------------------------------------------------------------------- warmup
+
+
+def _warmup_cases(rank: int, world: int, report: dict) -> None:
+    from specsample import distributed
+
+    for kw in (dict(draft_vocab_size=2000), {}):  # a shorter drafter's vocabulary, the same
+        report["calls"] = distributed.warmup(3001, dtypes=(torch.bfloat16, torch.float32),
+                                             **kw)
+        report["cases"] += 1
+    for bad, what in ((dict(on_compile="loud"), "on_compile"), (dict(vocab_size=0), "vocab"),
+                      (dict(dtypes=(torch.int32,)), "dtype")):
+        try:
+            distributed.warmup(**dict(dict(vocab_size=64), **bad))
+            report["failures"].append(f"no error for {bad}")
+        except ValueError as e:
+            if what not in str(e):
+                report["failures"].append(f"{bad}: {e}")
+
+
+def test_warmup_runs_on_every_rank_gloo():
+    # (on CPU tensors it compiles nothing: the calls run and the same count comes back)
+    reports = _run_spawned(2, "_warmup_cases")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    assert [r["calls"] for r in reports] == [2 * 3 * (4 + 2 * 3)] * 2
+
+
 # ----------------------------------------------------------------------------- NCCL
 
 
@@ -444,11 +472,44 @@ def _gpu_cases(rank: int, world: int, report: dict) -> None:
                       method=method, kinds=kinds, dtype=dtype, device=f"cuda:{rank}")
 
 
-@pytest.mark.gpu
-def test_equivalence_nccl_two_gpus():
+def _gpu_warmup_cases(rank: int, world: int, report: dict) -> None:
+    # warmup, then calls of other shapes and options: nothing compiles (on_compile="raise")
+    from specsample import distributed, triton_backend
+
+    os.environ["SPECSAMPLE_BACKEND"] = "triton"
+    distributed.warmup(151936, on_compile="raise")
+    try:
+        case = 600
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for op, draft, method, kinds in (
+                    ("sample", "onehot", "token", None),
+                    ("verify", "onehot", "token", ["plain", "greedy", "top_p"]),
+                    ("verify", "logits", "block", ["plain", "top_k", "bias"]),
+                    ("verify", "probs", "token", ["min_p", "penalties"])):
+                case += 1
+                _case(rank, world, case, report, vocab=151936, op=op, draft=draft,
+                      method=method, kinds=kinds, dtype=dtype, device=f"cuda:{rank}")
+        report["compiles"] = triton_backend.compilations_after_warmup()
+    finally:
+        triton_backend.disarm_compile_guard()
+
+
+def _two_gpu_reports(target: str) -> list[dict]:
+    """``target`` on two NCCL ranks (skipped without two GPUs); fails on any rank's failure."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    reports = _run_spawned(2, "_gpu_cases", backend="nccl")
+    reports = _run_spawned(2, target, backend="nccl")
     fails = [f for r in reports for f in r["failures"]]
     assert not fails, "\n".join(fails[:5])
-    assert reports[0]["cases"] == 24
+    return reports
+
+
+@pytest.mark.gpu
+def test_warmup_then_nothing_compiles_nccl_two_gpus():
+    reports = _two_gpu_reports("_gpu_warmup_cases")
+    assert [r["compiles"] for r in reports] == [[], []]
+
+
+@pytest.mark.gpu
+def test_equivalence_nccl_two_gpus():
+    assert _two_gpu_reports("_gpu_cases")[0]["cases"] == 24

@@ -251,19 +251,22 @@ def test_kernel_gumbel_noise_matches_rng():
 
 def test_compile_guard_watches_every_kernel_of_the_package(monkeypatch):
     # The guard once matched three kernel names only: the residual, block-mass and filter
-    # kernels could compile after warmup unnoticed; and it once read the kernel from the
+    # kernels could compile after warmup unnoticed (and it once watched only
+    # specsample.triton_backend, not the distributed kernels); and it once read the kernel from the
     # wrong attribute of what Triton passes, matching nothing. (The hook is called directly,
     # with what Triton 3.6's _call_hook passes: Triton's interpreter compiles nothing.)
     from triton.runtime.jit import JitFunctionInfo
 
+    from specsample import _distributed_kernels
     from specsample.triton_backend import filters
 
     monkeypatch.setitem(triton_backend._state, "warmed", True)
     monkeypatch.setitem(triton_backend._state, "mode", "ignore")
     monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
     for kernel in (filters.gather_kernel, kernels.block_mass_kernel,
-                   kernels.residual_draw_kernel, _noise_kernel):
+                   kernels.residual_draw_kernel, _distributed_kernels._tile_mass_kernel,
+                   _noise_kernel):
         info = JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel)
         triton_backend._post_compile_hook(fn=info, repr=kernel.__name__)
     assert triton_backend.compilations_after_warmup() == [
-        "gather_kernel", "block_mass_kernel", "residual_draw_kernel"]
+        "gather_kernel", "block_mass_kernel", "residual_draw_kernel", "_tile_mass_kernel"]

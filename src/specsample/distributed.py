@@ -1048,3 +1048,92 @@ def verify(local_target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
                     local_draft_logits=local_draft_logits, local_draft_probs=local_draft_probs,
                     positions=positions, method=method, strict=strict)
     return _finish(call, "verify", strict)
+
+
+def warmup(vocab_size: int, *, group=None, device=None, draft_vocab_size: int | None = None,
+           dtypes=(torch.bfloat16, torch.float16, torch.float32), methods=("token", "block"),
+           on_compile: str = "warn") -> int:
+    """:func:`specsample.warmup` for the vocabulary-parallel entry points; every rank of
+    ``group`` calls it. Runs :func:`sample` and :func:`verify` once per target dtype, draft
+    kind (one-hot, draft_logits, draft_probs) and method, with greedy and sampled requests,
+    min_p / top_k / top_p, the general path (logit bias) and logprobs (raw and processed,
+    top-n), on shards of ``vocab_size`` (``draft_vocab_size``: the drafter's, default the
+    same) on ``device`` (default: the current CUDA device with NCCL, else the CPU). On CUDA
+    this compiles the Triton kernels these calls launch; then the compile guard is armed as
+    by :func:`specsample.warmup` (``on_compile``; on CPU tensors nothing is compiled and no
+    guard is armed). Returns the number of calls.
+
+    Raises:
+        ValueError: an unknown ``on_compile`` or dtype, or a vocabulary below 1.
+    """
+    import dataclasses as _dc
+
+    from .params import SamplingParams as P
+
+    if on_compile not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_compile must be 'warn', 'raise' or 'ignore', got {on_compile!r}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dtype in dtypes:
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    device = torch.device(device)
+    dv = draft_vocab_size or vocab_size
+    s = -(-vocab_size // world)
+    # the drafter's columns [rank * s, rank * s + w): all s with the target's vocabulary, else
+    # exactly those below its own (see verify)
+    dw = s if dv == vocab_size else max(0, min(s, dv - rank * s))
+    gen = torch.Generator(device="cpu").manual_seed(0)  # (the same values on every rank)
+    mixes = [
+        [P(temperature=0.0), P(temperature=0.8, seed=1)],
+        [P(temperature=0.0), P(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)],
+        [P(temperature=0.0, logit_bias={0: 0.5}), P(temperature=0.8, seed=1, top_p=0.9)],
+    ]
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    k = [2, 1]
+
+    def shard(full: torch.Tensor, width: int, dtype) -> torch.Tensor:
+        """This rank's columns of rows ``full`` [R, world * s]."""
+        return full[:, rank * s:rank * s + width].to(device=device, dtype=dtype).contiguous()
+
+    def logits(rows: int, cols: int) -> torch.Tensor:
+        full = torch.randn(rows, world * s, generator=gen)
+        full[:, cols:] = 0.0  # (padding past the vocabulary, never read)
+        return full
+
+    calls = 0
+    for dtype in dtypes:
+        for plist in mixes:
+            with_lp = [[_dc.replace(p, logprobs=n, logprobs_mode=mode) for p in plist]
+                       for n, mode in ((0, "raw"), (2, "processed"), (2, "raw"))]
+            for params in [plist] + with_lp:
+                batch = SamplingBatch.from_params(params, vocab_size=vocab_size, device=device)
+                sample(shard(logits(2, vocab_size), s, dtype), batch, group=group,
+                       positions=pos, strict=False)
+                calls += 1
+            batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+            drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
+            rows = shard(logits(5, vocab_size), s, dtype)
+            for method in methods:
+                verify(rows, drafts, k, batch, group=group, positions=pos, method=method,
+                       strict=False)
+                full = logits(3, dv)
+                verify(rows, drafts, k, batch, group=group,
+                       local_draft_logits=shard(full, dw, dtype), positions=pos,
+                       method=method, strict=False)
+                probs = torch.softmax(full[:, :dv], -1)
+                verify(rows, drafts, k, batch, group=group,
+                       local_draft_probs=shard(torch.cat(
+                           [probs, torch.zeros(3, world * s - dv)], 1), dw, dtype),
+                       positions=pos, method=method, strict=False)
+                calls += 3
+    if device.type == "cuda":
+        from . import triton_backend
+
+        torch.cuda.synchronize(device)
+        triton_backend.install_compile_guard(on_compile)
+    return calls

@@ -384,12 +384,14 @@ class CompilationAfterWarmupError(RuntimeError):
 
 
 def _post_compile_hook(*args, **kwargs):
-    # Every kernel of this package counts (the module of the jitted Python function), not a
-    # list of names that new kernels could miss. Triton passes fn=JitFunctionInfo(module,
-    # name, jit_function) (reading fn.fn, as this did until a review, matched nothing).
+    # Every kernel of the package counts (the module of the jitted Python function: the
+    # distributed kernels too), not a list of names that new kernels could miss. Triton
+    # passes fn=JitFunctionInfo(module, name, jit_function) (reading fn.fn, as this did until
+    # a review, matched nothing).
     fn = getattr(getattr(kwargs.get("fn"), "jit_function", None), "fn", None)
     name = getattr(fn, "__qualname__", None) or kwargs.get("repr", "?")
-    if not _state["warmed"] or not getattr(fn, "__module__", "").startswith(__name__):
+    module = getattr(fn, "__module__", "") or ""
+    if not _state["warmed"] or not (module == "specsample" or module.startswith("specsample.")):
         return None
     _state["compiles_after_warmup"].append(str(kwargs.get("repr", name)))
     msg = f"specsample: Triton compiled {name} after warmup (a variant warmup did not cover)"
