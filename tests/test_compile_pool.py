@@ -146,3 +146,100 @@ def test_cache_keys_do_not_depend_on_the_order_kernels_are_first_compiled():
     # the power of the check: unsettled, the two orders give different keys (if a Triton
     # release hashes callees first, this fails and settle_cache_keys can go)
     assert out["forward_False"] != out["reverse_False"]
+
+
+FLOW = r'''
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime import driver
+
+TARGET = GPUTarget("cuda", 90, 32)
+try:
+    make_backend(TARGET)
+except Exception as e:  # (a Triton build without the NVIDIA backend)
+    print(json.dumps({"skip": repr(e)}))
+    sys.exit(0)
+
+
+class Driver:  # a stand-in for the CUDA driver: Triton asks it for the device and target only
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+
+class Kernel:  # what the launches get instead of a compiled kernel: no launch happens
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        pass
+
+
+driver.set_active(Driver())
+import specsample.api as api
+api.select_backend = lambda device: "triton"
+import triton.compiler
+from specsample import triton_backend
+from specsample.triton_backend import compile_pool
+
+def calls():
+    triton_backend.warmup("cpu", vocab_size=3000, workers=0, on_compile="ignore",
+                          dtypes=(torch.bfloat16,), methods=("token",))
+
+variants = compile_pool.collect(calls)
+wanted = {"sample_kernel", "finish_kernel", "residual_draw_kernel"}
+pick, seen = [], set()
+for v in variants:
+    if v.name in wanted and v.name not in seen:
+        seen.add(v.name)
+        pick.append(v)
+out = {"variants": len(variants), "workers": compile_pool.compile_variants(pick, TARGET, 2)}
+real = triton.compiler.compile
+loads = []
+
+
+def launch_compile(src, target=None, options=None, _env_vars=None):
+    # the launching process's own lookup, for the picked kernels (a hit loads, no compile)
+    if src.fn.__name__ in seen:
+        real(src, target=target, options=options)
+    return Kernel()
+
+
+for k in compile_pool._package_kernels():
+    k.compile = launch_compile
+    for entry in k.device_caches.values():
+        entry[0].clear()
+with compile_pool.count_compiles() as counts:
+    calls()
+out["loaded"], out["compiled"] = counts["loaded"], counts["compiled"]
+print(json.dumps(out))
+'''
+
+
+def test_the_workers_entries_are_what_the_launches_load(tmp_path):
+    # End to end on CPU with a stand-in driver: collect lists the variants of warmup's calls,
+    # two workers compile one variant each of three kernels into a fresh cache, then the calls
+    # launch again and Triton's own lookup finds those variants (the other variants of the
+    # same kernels, not compiled by the workers, are the only misses). Before
+    # compile_pool.settle_cache_keys, the workers wrote entries under other keys.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", FLOW], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"no NVIDIA backend in this Triton: {out['skip']}")
+    assert out["variants"] >= 20
+    assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
+    assert out["loaded"] == 3, out
