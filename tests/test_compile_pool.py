@@ -1,9 +1,10 @@
-"""``triton_backend.compile_pool``: warmup's parallel compilation. The collect step needs a
-CUDA device (tests/test_triton_gpu.py runs warmup there). Here the workers compile real kernel
-variants for sm_90 (the compiler and ptxas need no GPU) into a fresh Triton cache, the cache
-lookup then finds them, and a variant that cannot compile is reported, not raised. The
-checks run in a subprocess without TRITON_INTERPRET, since the interpreter's kernels cannot
-be compiled."""
+"""``triton_backend.compile_pool``: warmup's parallel compilation. Here the workers compile real
+kernel variants for sm_90 (the compiler and ptxas need no GPU) into a fresh Triton cache, the
+cache lookup then finds them, a variant that cannot compile is reported, not raised, the cache
+keys do not depend on the order kernels are hashed, and (with a stand-in for the CUDA driver)
+the whole collect -> workers -> launch flow loads what the workers wrote. The checks run in
+subprocesses without TRITON_INTERPRET, since the interpreter's kernels cannot be compiled;
+tests/test_warmup_sweep.py runs warmup on a GPU."""
 
 from __future__ import annotations
 
