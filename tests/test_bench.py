@@ -53,6 +53,21 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_profile_lists_where_each_case_spends_its_time(tmp_path):
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes", "2",
+            "--vocab", "512", "--sample-batch-sizes", "1", "--sample-vocab", "1024",
+            "--temperatures", "0.7", "--no-unfused", "--profile"]
+    assert bench.main(argv) == 0
+    cases = json.loads((tmp_path / "bench.json").read_text())["cases"]
+    for case in cases:
+        prof = case["fused"]["kernel_us"]
+        assert prof and all(us > 0 for us in prof.values())
+        assert list(prof.values()) == sorted(prof.values(), reverse=True)
+        assert any(name.startswith("aten::") for name in prof)  # CPU: the operators
+    text = (tmp_path / "kernel_profile.txt").read_text()
+    assert "verify/onehot/T=0.7/B=2" in text and " us  aten::" in text
+
+
 def test_zipf_logits_are_peaked_with_a_long_tail():
     gen = torch.Generator().manual_seed(0)
     x = bench.zipf_logits(16, 151936, dtype=torch.bfloat16, device=CPU, generator=gen)

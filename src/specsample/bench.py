@@ -431,6 +431,31 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, out
 
 
+def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 50,
+                   top: int = 25) -> dict[str, float]:
+    """Mean microseconds per call of ``fn`` spent in each kernel (CUDA: device time of each
+    kernel, with ``fn`` typically a graph's replay) or each operator (CPU: its own CPU time),
+    over ``calls`` calls under torch.profiler; the ``top`` largest, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _cuda(device)
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    times: dict[str, float] = {}
+    for evt in prof.key_averages():
+        total = (getattr(evt, "self_device_time_total", 0) if cuda
+                 else evt.self_cpu_time_total) or 0
+        if total > 0:
+            times[evt.key] = times.get(evt.key, 0.0) + total / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+
+
 def peak_temp_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     """Peak memory one call of ``fn`` allocates beyond what was allocated before it (MiB);
     None off CUDA."""
@@ -470,6 +495,7 @@ class Settings:
     cpu_repeats: int
     graphs: bool
     unfused: bool
+    profile: bool = False
 
 
 def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dict:
@@ -503,9 +529,13 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
                 graph, _ = capture_graph(fn)
                 res["graph_us"] = time_us(graph.replay, cfg.device, warmup_ms=cfg.warmup_ms,
                                           rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
+                if cfg.profile:
+                    res["kernel_us"] = kernel_profile(graph.replay, cfg.device)
                 del graph
             except Exception as exc:
                 res["graph_error"] = f"{type(exc).__name__}: {exc}"
+        if cfg.profile and res["error"] is None and "kernel_us" not in res:
+            res["kernel_us"] = kernel_profile(fn, cfg.device)  # (eager: no graph replay)
     res["paths"] = paths.counts()
     return res
 
@@ -677,6 +707,17 @@ def format_table(results: list[dict]) -> str:
                        enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def format_profiles(results: list[dict]) -> str:
+    """Per case, the fused call's time in each kernel / operator (``--profile``)."""
+    lines = []
+    for r in results:
+        prof = r["fused"].get("kernel_us")
+        if prof:
+            lines.append(f"{r['case']} ({_fmt(best_us(r['fused']))} us per call)")
+            lines += [f"  {us:9.2f} us  {name}" for name, us in prof.items()]
+    return "\n".join(lines) + "\n"
 
 
 def format_problems(results: list[dict]) -> str:
@@ -898,6 +939,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs per measurement on CPU (median)")
     p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph replay")
     p.add_argument("--no-unfused", action="store_true", help="skip the unfused baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each case's fused call (torch.profiler, 50 calls: each "
+                        "kernel's device time under graph replay on CUDA, each operator's CPU "
+                        "time on CPU) into kernel_profile.txt and bench.json")
     p.add_argument("--cpu-check", action="store_true",
                    help="CPU check only: verify() at B=8, K=4, V=151936 against one torch.softmax "
                         "over the same rows (target <= 2x)")
@@ -935,6 +980,9 @@ def report_from_json(path: Path, out: Path) -> int:
     (for a device run where matplotlib was missing)."""
     results = json.loads(path.read_text())["cases"]
     print(format_table(results))
+    if any(r["fused"].get("kernel_us") for r in results):
+        (out / "kernel_profile.txt").write_text(format_profiles(results))
+        print(f"wrote {out / 'kernel_profile.txt'}")
     problems = format_problems(results)
     if problems:
         print("\nProblems:\n" + problems)
@@ -977,7 +1025,8 @@ def run_bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     cfg = Settings(device=device, backend=select_backend(device), warmup_ms=args.warmup_ms,
                    rep_ms=args.rep_ms, cpu_repeats=args.repeats,
-                   graphs=_cuda(device) and not args.no_graphs, unfused=not args.no_unfused)
+                   graphs=_cuda(device) and not args.no_graphs, unfused=not args.no_unfused,
+                   profile=args.profile)
     bandwidth = copy_bandwidth(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                                cpu_repeats=args.repeats)
     print(f"device {device} ({cfg.backend} backend), copy bandwidth {bandwidth / 1e12:.3f} TB/s",
@@ -999,6 +1048,9 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"  {case.name}: {_fmt(best_us(r['fused']))} us "
               f"({_fmt(r['ratio_to_floor'], '.2f')}x floor)", flush=True)
     print(format_table(results))
+    if any(r["fused"].get("kernel_us") for r in results):
+        (out / "kernel_profile.txt").write_text(format_profiles(results))
+        print(f"wrote {out / 'kernel_profile.txt'}")
     problems = format_problems(results)
     if problems:
         print("\nProblems:\n" + problems)
