@@ -86,3 +86,13 @@ def test_float_draft_tensors_name_their_dtype():
         verify(logits, torch.tensor([1.0, 2.0]), [2], batch, positions=[0])
     with pytest.raises(ValueError, match="got a 1-D torch.float32 tensor"):
         verify(logits, torch.tensor([1, 2]), torch.tensor([2.0]), batch, positions=[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_warmup_on_a_machine_without_cuda_says_so():
+    # The README's warmup(vocab_size=V) defaults to device="cuda": on a CPU-only machine it
+    # raised torch's "Torch not compiled with CUDA enabled" AssertionError from deep inside.
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        specsample.warmup(vocab_size=1024)
+    assert specsample.warmup("cpu", vocab_size=64, dtypes=(torch.float32,),
+                             methods=("token",)) > 0

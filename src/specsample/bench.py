@@ -944,8 +944,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "kernel's device time under graph replay on CUDA, each operator's CPU "
                         "time on CPU) into kernel_profile.txt and bench.json")
     p.add_argument("--cpu-check", action="store_true",
-                   help="CPU check only: verify() at B=8, K=4, V=151936 against one torch.softmax "
-                        "over the same rows (target <= 2x)")
+                   help="CPU check only: the CPU path per option (verify() at B=1, K=4, "
+                        "V=49152 per option, sample() at B=1, verify() at B=8, V=151936) "
+                        "against one torch.softmax of the same rows, with issue 15's targets")
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="measure nothing: print the table and draw bench.png of a saved "
                         "bench.json into --out")

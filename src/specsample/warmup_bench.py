@@ -1,5 +1,5 @@
-"""Time :func:`specsample.warmup` as a server start pays it: on a fresh Triton cache, then
-again on the cache it filled (a restart), each in a new process.
+"""Time :func:`specsample.warmup` as a server start pays it (needs CUDA): on a fresh Triton
+cache, then again on the cache it filled (a restart), each in a new process.
 
 ``python -m specsample.warmup_bench [--vocab V] [--repeats N] [--serial] [--out FILE]``
 prints one JSON line per run: the cache (fresh / warm), the seconds of ``warmup()`` and of the
@@ -53,6 +53,11 @@ def main(argv=None) -> int:
                    help="also a fresh-cache run compiling serially (workers=0)")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (torch.cuda.is_available() is False): warmup() compiles "
+                "the Triton kernels for one")
     results = []
     with tempfile.TemporaryDirectory() as cache:
         runs = [("fresh", "default")] + [("warm", "default")] * args.repeats

@@ -17,7 +17,7 @@ plain decoding,
 a chain of K drafts and a tree of K nodes (depth K), and the default ``--tree`` (its default
 node budget, depth ``-k``), interleaved ``--repeats`` times::
 
-    python -m specsample.engine.bench --threads 1 --tree-nodes 4 8 16 \
+    python -m specsample.engine.bench --threads 1 --tree-nodes 4 8 16 \\
         --prompt-file examples/repeat_passage.txt
 """
 
