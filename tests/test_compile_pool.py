@@ -244,3 +244,23 @@ def test_the_workers_entries_are_what_the_launches_load(tmp_path):
     assert out["variants"] >= 20
     assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
     assert out["loaded"] == 3, out
+
+
+def test_a_dead_worker_passes_its_variants_to_the_live_one():
+    # Worker 0 is gone before anything is sent: its variant goes to worker 1, which answers
+    # both (a module that does not exist: an error at once), and none is left uncompiled.
+    from triton.backends.compiler import GPUTarget
+
+    from specsample.triton_backend import compile_pool
+
+    bogus = [compile_pool.Variant(f"specsample.no_such_module_{i}", "k", "{}") for i in (1, 2)]
+    pool = compile_pool.Pool(2)
+    try:
+        pool._procs[0].kill()
+        pool._procs[0].wait()
+        result = pool.compile(bogus, GPUTarget("cuda", 90, 32))
+    finally:
+        pool.close()
+    assert result["compiled"] == 0
+    assert sorted(f.split(":")[0] for f in result["failed"]) == ["k", "k"], result
+    assert all("no_such_module" in f for f in result["failed"]), result

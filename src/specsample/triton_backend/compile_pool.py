@@ -299,11 +299,17 @@ class Pool:
                 queue.appendleft(v)
                 sel.unregister(self._procs[i].stdout)
 
+        def dispatch() -> None:  # every live idle worker takes a variant while any is left
+            for key in list(sel.get_map().values()):
+                if not queue:
+                    return
+                if key.data not in busy:
+                    feed(key.data)
+
         try:
             for i, p in enumerate(self._procs):
                 sel.register(p.stdout, selectors.EVENT_READ, i)
-            for i in range(len(self._procs)):
-                feed(i)
+            dispatch()
             while busy:
                 events = sel.select(timeout=5.0)
                 now = time.monotonic()
@@ -321,16 +327,13 @@ class Pool:
                             why = (f"timed out after {VARIANT_TIMEOUT_S:.0f} s" if i in killed
                                    else f"worker {i} exited: {self._log(i)}")
                             result["failed"].append(f"{v.name}: {why}")
-                        if not busy and queue and sel.get_map():
-                            # (the other workers are idle: wake one)
-                            feed(next(iter(sel.get_map().values())).data)
                         continue
                     done = json.loads(line)
                     if done["ok"]:
                         result["compiled"] += 1
                     else:
                         result["failed"].append(done["error"])
-                    feed(i)
+                dispatch()
         finally:
             sel.close()
         result["failed"] += [f"{v.name}: not compiled, no worker left" for v in queue]
