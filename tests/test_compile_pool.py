@@ -20,19 +20,42 @@ pytest.importorskip("triton")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
-DRIVER = r'''
-import inspect, json, sys
+# The start of every driver below: the sm_90 target, or a skip on a Triton without NVIDIA's.
+PREAMBLE = r'''
+import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
-from triton.runtime.jit import serialize_specialization_data
-from specsample.triton_backend import compile_pool, logprobs
 
-target = GPUTarget("cuda", 90, 32)
+TARGET = GPUTarget("cuda", 90, 32)
 try:
-    make_backend(target)
+    make_backend(TARGET)
 except Exception as e:  # (a Triton build without the NVIDIA backend)
     print(json.dumps({"skip": repr(e)}))
     sys.exit(0)
+'''
+
+
+def _run(driver: str, cache: Path | None = None, timeout: int = 600) -> dict:
+    """Run ``driver`` in a subprocess without TRITON_INTERPRET (with ``cache`` as Triton's
+    cache), skip when it found no NVIDIA backend, and return its last JSON line."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"no NVIDIA backend in this Triton: {out['skip']}")
+    return out
+
+DRIVER = PREAMBLE + r'''
+import inspect
+from triton.runtime.jit import serialize_specialization_data
+from specsample.triton_backend import compile_pool, logprobs
+
+target = TARGET
 POINTERS = {"raw_ptr": "*bf16", "proc_ptr": "*bf16", "num_acc_ptr": "*i64",
             "invalid_ptr": "*u8", "row_start_ptr": "*i64", "lp_n_ptr": "*i64",
             "lp_proc_ptr": "*u8", "cut_i_ptr": "*i32", "count_ptr": "*i32", "cand_ptr": "*i64",
@@ -69,17 +92,8 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(f"no NVIDIA backend in this Triton: {out['skip']}")
-    out["cache"] = env["TRITON_CACHE_DIR"]
-    return out
+    cache = tmp_path_factory.mktemp("triton_cache")
+    return dict(_run(DRIVER, cache), cache=str(cache))
 
 
 def test_workers_fill_the_cache_then_find_it(result):
@@ -136,12 +150,7 @@ def test_cache_keys_do_not_depend_on_the_order_kernels_are_first_compiled():
     # callee is not yet hashed, so the on-disk cache key of a kernel depended on which kernel
     # the process compiled first: warmup's workers wrote entries the launching process never
     # found (every variant compiled twice on the H200). settle_cache_keys fixes every key.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", KEYS], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _run(KEYS, timeout=300)
     assert len(out["import"]) >= 40
     assert out["forward_True"] == out["import"] and out["reverse_True"] == out["import"]
     # the power of the check: unsettled, the two orders give different keys (if a Triton
@@ -149,19 +158,9 @@ def test_cache_keys_do_not_depend_on_the_order_kernels_are_first_compiled():
     assert out["forward_False"] != out["reverse_False"]
 
 
-FLOW = r'''
-import json, sys
+FLOW = PREAMBLE + r'''
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import make_backend
 from triton.runtime import driver
-
-TARGET = GPUTarget("cuda", 90, 32)
-try:
-    make_backend(TARGET)
-except Exception as e:  # (a Triton build without the NVIDIA backend)
-    print(json.dumps({"skip": repr(e)}))
-    sys.exit(0)
 
 
 class Driver:  # a stand-in for the CUDA driver: Triton asks it for the device and target only
@@ -205,7 +204,6 @@ for v in variants:
         pick.append(v)
 out = {"variants": len(variants), "workers": compile_pool.compile_variants(pick, TARGET, 2)}
 real = triton.compiler.compile
-loads = []
 
 
 def launch_compile(src, target=None, options=None, _env_vars=None):
@@ -232,15 +230,7 @@ def test_the_workers_entries_are_what_the_launches_load(tmp_path):
     # launch again and Triton's own lookup finds those variants (the other variants of the
     # same kernels, not compiled by the workers, are the only misses). Before
     # compile_pool.settle_cache_keys, the workers wrote entries under other keys.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    run = subprocess.run([sys.executable, "-c", FLOW], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(f"no NVIDIA backend in this Triton: {out['skip']}")
+    out = _run(FLOW, tmp_path / "cache")
     assert out["variants"] >= 20
     assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
     assert out["loaded"] == 3, out

@@ -93,13 +93,20 @@ def _ours(module_name: str) -> bool:
     return module_name == "specsample" or module_name.startswith("specsample.")
 
 
+def _package_objects(kind: type) -> list:
+    """Every Triton function of type ``kind`` in this package's imported modules, each once,
+    in a fixed order (the defining module, then the name)."""
+    found = {id(v): v for name, mod in list(sys.modules.items())
+             if _ours(name) and mod is not None
+             for v in list(vars(mod).values()) if isinstance(v, kind)}
+    return sorted(found.values(), key=lambda f: (f.fn.__module__, f.fn.__qualname__))
+
+
 def _package_kernels() -> list:
     """Every Triton kernel of this package that is imported (JITFunction objects)."""
     from triton.runtime.jit import JITFunction
 
-    return [v for name, mod in list(sys.modules.items())
-            if _ours(name) and mod is not None
-            for v in vars(mod).values() if isinstance(v, JITFunction)]
+    return _package_objects(JITFunction)
 
 
 def settle_cache_keys() -> int:
@@ -120,9 +127,7 @@ def settle_cache_keys() -> int:
     """
     from triton.runtime.jit import JITCallable
 
-    functions = list({id(v): v for name, mod in list(sys.modules.items())
-                      if _ours(name) and mod is not None
-                      for v in vars(mod).values() if isinstance(v, JITCallable)}.values())
+    functions = _package_objects(JITCallable)
     keys = None
     for rounds in range(1, 33):
         for f in functions:
@@ -404,11 +409,8 @@ def _manifest_path(config: dict, target: GPUTarget) -> Path:
     h = hashlib.sha256()
     for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         h.update(path.read_bytes())
-    for name, mod in sorted(sys.modules.items()):
-        if _ours(name) and mod is not None:
-            for attr, v in sorted(vars(mod).items()):
-                if isinstance(v, JITCallable):
-                    h.update(f"{name}.{attr}:{v.cache_key}".encode())
+    for f in _package_objects(JITCallable):
+        h.update(f"{f.fn.__module__}.{f.fn.__name__}:{f.cache_key}".encode())
     h.update(json.dumps([config, [target.backend, target.arch, target.warp_size],
                          triton_key(), sorted(get_cache_invalidating_env_vars().items()),
                          make_backend(target).hash(), torch.__version__],
