@@ -2,7 +2,8 @@
 kernel variants for sm_90 (the compiler and ptxas need no GPU) into a fresh Triton cache, the
 cache lookup then finds them, a variant that cannot compile is reported, not raised, the cache
 keys do not depend on the order kernels are hashed, and (with a stand-in for the CUDA driver)
-the whole collect -> workers -> launch flow loads what the workers wrote. The checks run in
+the whole collect -> workers -> launch flow loads what the workers wrote, kernels and their
+launchers (against a stand-in libcuda). The checks run in
 subprocesses without TRITON_INTERPRET, since the interpreter's kernels cannot be compiled;
 tests/test_warmup_sweep.py runs warmup on a GPU."""
 
@@ -76,7 +77,7 @@ def variant(kernel, constexprs, **pointer_types):
     return compile_pool.Variant(kernel.fn.__module__, kernel.fn.__name__, data)
 
 
-partial = dict(FILTERED=False, GENERAL=False, NPAD=32, CAND=528, BLOCK=2048)
+partial = dict(GENERAL=False, NPAD=32, CAND=528, BLOCK=2048)
 good = variant(logprobs.topn_partial_kernel, partial)
 # the atomic count of a float32 pointer added to an address: the real compiler refuses it
 bad = variant(logprobs.topn_partial_kernel, partial, count_ptr="*fp32")
@@ -103,7 +104,8 @@ def test_workers_fill_the_cache_then_find_it(result):
     assert (first["compiled"], first["cached"]) == (2, 0)
     assert result["after"] is True
     assert any(Path(result["cache"]).rglob("*.cubin"))
-    assert result["again"] == {"cached": 1, "compiled": 0, "failed": [], "workers": 0}
+    assert result["again"] == {"cached": 1, "compiled": 0, "failed": [], "launcher_errors": [],
+                               "workers": 0}
 
 
 def test_a_variant_that_cannot_compile_is_reported(result):
@@ -196,13 +198,27 @@ def calls():
                           dtypes=(torch.bfloat16,), methods=("token",))
 
 variants = compile_pool.collect(calls)
+# every kernel gets its (unused when unfiltered) cut as int32: one variant, not two
+out = {"cut_types": sorted({json.loads(v.data)["signature"].get("cut_i_ptr", "*i32")
+                            for v in variants})}
+try:  # one launcher source per launcher key (Triton's own launcher code, where it has it)
+    from triton.backends.nvidia.driver import make_launcher
+except ImportError:
+    out["sources_per_key"] = None
+else:
+    sources = {}
+    for v in variants:
+        sig = json.loads(v.data)["signature"]
+        sources.setdefault(compile_pool.launcher_key(v), set()).add(
+            make_launcher({}, dict(enumerate(sig.values())), None))
+    out["sources_per_key"] = sorted({len(s) for s in sources.values()})
 wanted = {"sample_kernel", "finish_kernel", "residual_draw_kernel"}
 pick, seen = [], set()
 for v in variants:
     if v.name in wanted and v.name not in seen:
         seen.add(v.name)
         pick.append(v)
-out = {"variants": len(variants), "workers": compile_pool.compile_variants(pick, TARGET, 2)}
+out.update(variants=len(variants), workers=compile_pool.compile_variants(pick, TARGET, 2))
 real = triton.compiler.compile
 
 
@@ -232,6 +248,8 @@ def test_the_workers_entries_are_what_the_launches_load(tmp_path):
     # compile_pool.settle_cache_keys, the workers wrote entries under other keys.
     out = _run(FLOW, tmp_path / "cache")
     assert out["variants"] >= 20
+    assert out["cut_types"] == ["*i32"], out["cut_types"]
+    assert out["sources_per_key"] in (None, [1]), out["sources_per_key"]
     assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
     assert out["loaded"] == 3, out
 
@@ -254,3 +272,74 @@ def test_a_dead_worker_passes_its_variants_to_the_live_one():
     assert result["compiled"] == 0
     assert sorted(f.split(":")[0] for f in result["failed"]) == ["k", "k"], result
     assert all("no_such_module" in f for f in result["failed"]), result
+
+
+# Every entry point of the CUDA driver that Triton's driver.c and launchers link against: a
+# stand-in libcuda.so.1 with these (never called) lets the launchers build and load on CPU.
+CUDA_SYMBOLS = (
+    "cuCtxGetCurrent cuCtxGetLimit cuCtxSetCurrent cuCtxSetLimit cuDeviceGet "
+    "cuDeviceGetAttribute cuDevicePrimaryCtxRetain cuFuncGetAttribute cuFuncSetAttribute "
+    "cuFuncSetCacheConfig cuGetErrorString cuGetProcAddress cuLaunchKernelEx "
+    "cuModuleGetFunction cuModuleLoadData cuOccupancyMaxActiveClusters cuPointerGetAttribute "
+    "cuPointerGetAttributes cuTensorMapEncodeTiled").split()
+
+LAUNCHER = DRIVER.split("out = {")[0] + r'''
+from pathlib import Path
+
+import triton
+from triton import knobs
+from triton.runtime import build
+
+
+def launcher_needs_a_build(variant):
+    # the launching process's step: Triton's CompiledKernel builds the launcher, from the
+    # cache when there (a build here raises)
+    src, _, options = compile_pool._source(variant, target)
+    kernel = triton.compile(src, target=target, options=options.__dict__)
+    real, built = build._build, []
+    build._build = lambda *a, **k: built.append(1) or real(*a, **k)
+    try:
+        compile_pool._launcher_cls(target)(kernel.src, kernel.metadata)
+    finally:
+        build._build = real
+    return bool(built)
+
+
+# two variants of one launcher key (another constexpr), two workers: one builds it
+twin = variant(logprobs.topn_partial_kernel, dict(partial, BLOCK=1024))
+out = {"worker": compile_pool.compile_variants([good, twin], target, workers=2)}
+out["launchers"] = len(list(Path(knobs.cache.dir).rglob("__triton_launcher*")))
+out["needs_build"] = [launcher_needs_a_build(v) for v in (good, twin)]
+# the power of the check: a variant the workers did not compile (an int64 stride: another
+# launcher signature) needs one
+other = variant(logprobs.topn_partial_kernel, partial, raw_stride="i64")
+out["other_needs_build"] = launcher_needs_a_build(other)
+print(json.dumps(out))
+'''
+
+
+def test_the_workers_build_the_launchers_too(tmp_path, monkeypatch):
+    # A launcher (the C module through which the host launches a kernel, a third of a second
+    # of gcc each) was built by the launching process after warmup's workers: 13 builds,
+    # 4.5 s of a fresh-cache warmup on the H200. The workers now build it beside the kernel,
+    # once per launcher key (the variants' argument types).
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    stubs = tmp_path / "cuda.c"
+    stubs.write_text("".join(f"int {name}(void) {{ return 1; }}\n" for name in CUDA_SYMBOLS))
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(libdir / "libcuda.so.1"), str(stubs)],
+                   check=True)
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(libdir))  # (where Triton links it from)
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join(  # (where the loader finds it)
+        p for p in (str(libdir), os.environ.get("LD_LIBRARY_PATH")) if p))
+    out = _run(LAUNCHER, tmp_path / "cache")
+    assert out["worker"]["compiled"] == 2 and out["worker"]["failed"] == [], out
+    assert out["worker"]["launcher_errors"] == [], out
+    assert out["launchers"] == 1, out
+    assert out["needs_build"] == [False, False]
+    assert out["other_needs_build"] is True

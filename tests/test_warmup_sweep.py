@@ -184,7 +184,8 @@ def test_fresh_cache_warmup_then_the_sweep_compiles_nothing(tmp_path):
     assert result["compiles_after_warmup"] == []
     report = result["report"]
     assert "error" not in report and report["failed"] == [], report
-    assert report["variants"] > 200 and report["manifest"] == "written", report
+    assert report["variants"] > 150 and report["manifest"] == "written", report
+    assert report["launcher_errors"] == [], report  # (the workers built every launcher)
     assert report["compiled"] + report["cached"] == report["variants"]
     # the calls then loaded every variant from the cache: the workers compiled them all
     assert report["compiled_serially"] == [] and report["loaded"] >= report["variants"]

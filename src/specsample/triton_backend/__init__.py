@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import math
 import os
+import time
 import warnings
 
 import torch
@@ -189,7 +190,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
         write_tiles=True, write_top=filtered or rank)
     y = torch.empty(rows, dtype=torch.int32, device=dev)
     stats = torch.empty(rows, 3, dtype=torch.float32, device=dev)
-    cut_v = cut_i = part_m  # (not read unless filtered)
+    # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
+    cut_v, cut_i = part_m, part_m.view(torch.int32)
     if filtered:
         cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
                                     tiles, nt)
@@ -311,8 +313,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             y, stats, tiles[0], tiles[1], nt,
             draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
             token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
-            rho_row, bmass, sb, HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
-            BLOCK_METHOD=block, RHO_ONLY=rho_only, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK,
+            rho_row, bmass, sb, int(filtered), HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
+            BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=4 if not _interpreting(dev) else 1)
 
     n_drafts = plan.draft_token_ids.numel()
@@ -342,7 +344,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
             dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,
-            cut_i, DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK,
+            cut_i, int(filtered), DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=warps)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
@@ -480,7 +482,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     device = torch.device(device)
     dv = draft_vocab_size or vocab_size
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    # (random inputs made on the device: two passes of a fresh-cache warmup make a hundred)
+    gen = torch.Generator(device=device).manual_seed(0)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)]
     filtered = [SamplingParams(temperature=0.0),
                 SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
@@ -494,9 +497,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         for dtype in dtypes:
             if dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise ValueError(f"unsupported dtype {dtype}")
-            target = torch.randn(2, vocab_size, generator=gen).to(device=device, dtype=dtype)
-            rows = torch.randn(5, vocab_size, generator=gen).to(device=device, dtype=dtype)
-            drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen).to(device)
+            target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)
+            rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
+            drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen, device=device)
             for plist in (params, filtered, general):
                 batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
                 sample(target, batch, positions=pos, strict=False)
@@ -518,7 +521,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                     verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
                     calls += 1
                     for ddtype in dtypes:
-                        dl = torch.randn(3, dv, generator=gen).to(device=device, dtype=ddtype)
+                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
                         verify(rows, drafts, k, batch, draft_logits=dl, positions=pos,
                                method=method, strict=False)
                         probs = torch.softmax(dl.float(), -1).to(ddtype)
@@ -548,11 +551,12 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 compile_pool.record_failure(e)
                 warnings.warn(f"specsample: parallel compilation failed ({e!r}); warmup "
                               "compiles serially", RuntimeWarning, stacklevel=2)
+        start = time.perf_counter()
         with compile_pool.count_compiles() as seen:
             calls = run_calls()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            compile_pool.record_launches(seen)
+            compile_pool.record_launches(seen, time.perf_counter() - start)
         install_compile_guard(on_compile)
     return calls
 

@@ -12,7 +12,8 @@ hundred variants. So ``warmup()`` runs its calls twice over, with compile worker
    (``specialization_data``, what ``JITFunction.preload`` reads).
 2. :meth:`Pool.compile`: the variants missing from Triton's on-disk cache go to the workers
    one at a time, the slowest kinds first, each worker taking the next when it is done; each
-   writes to that cache.
+   writes the variant to that cache, and the first variant of each :func:`launcher_key` its
+   launcher (a C module built by the system's compiler).
 3. The calls for real: every compile is then a load from the cache.
 
 A variant that fails (or takes over ``VARIANT_TIMEOUT_S``) in a worker is compiled again in
@@ -36,6 +37,7 @@ import importlib
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,10 +75,12 @@ _manifest: dict = {}  # the path of the last manifest found ("hit"), to delete i
 def last_report() -> dict:
     """What the last parallel warmup did: ``variants`` (collected), ``cached`` (already on
     disk), ``compiled`` (by workers), ``failed`` (worker errors, compiled again serially),
-    ``workers``, ``manifest`` ("hit": every entry found from the last warmup's list, no
-    collect nor workers; "written"; or why not), ``loaded`` (variants the calls then loaded
-    from the cache) and ``compiled_serially`` (those they compiled: missed), and the seconds
-    of each step (``collect_s``, ``compile_s``); or ``error`` when the parallel steps failed
+    ``launcher_errors`` (why workers left launchers, the C modules through which the host
+    launches kernels, for the calls to build; each distinct text once), ``workers``,
+    ``manifest`` ("hit": every entry found from the last warmup's list, no collect nor
+    workers; "written"; or why not), ``loaded`` (variants the calls then loaded from the
+    cache) and ``compiled_serially`` (those they compiled: missed), and the seconds of each
+    step (``collect_s``, ``compile_s``, ``calls_s``); or ``error`` when the parallel steps failed
     as a whole, or ``skipped`` (why they did not run). Empty before the first warmup."""
     return dict(_report)
 
@@ -217,10 +221,73 @@ def is_cached(variant: Variant, target: GPUTarget) -> bool:
     return _entry_exists(cache_entry(variant, target))
 
 
-def compile_one(variant: Variant, target: GPUTarget) -> None:
-    """Compile one variant for ``target`` into Triton's on-disk cache (no device needed)."""
+def compile_one(variant: Variant, target: GPUTarget, launcher: bool = True) -> str | None:
+    """Compile one variant for ``target`` into Triton's on-disk cache (no device needed), then
+    (with ``launcher``) its launcher: the small C module through which the host launches it,
+    built with the system's C compiler (a third of a second) and cached beside it. Returns
+    None, or why the launcher could not be built (the launch then builds it)."""
     src, _, options = _source(variant, target)
-    triton.compile(src, target=target, options=options.__dict__)
+    kernel = triton.compile(src, target=target, options=options.__dict__)
+    if not launcher:
+        return None
+    try:
+        _launcher_cls(target)(kernel.src, kernel.metadata)
+    except Exception as e:  # (no libcuda here, say)
+        return f"{e!r}"[:500]
+    return None
+
+
+def _launcher_cls(target: GPUTarget) -> type:
+    """The launcher class of ``target``'s driver, without making that driver the active one
+    (which would query the device)."""
+    from triton.backends import backends
+
+    for b in backends.values():
+        if b.compiler.supports_target(target):
+            if b.driver not in _drivers:
+                try:
+                    _drivers[b.driver] = b.driver()
+                except Exception as e:  # (remembered: the next variant fails the same way)
+                    _drivers[b.driver] = e
+            driver = _drivers[b.driver]
+            if isinstance(driver, Exception):
+                raise driver
+            return driver.launcher_cls
+    raise RuntimeError(f"no Triton backend supports {target}")
+
+
+_drivers: dict = {}  # driver class -> instance (or the error its construction raised)
+
+
+def launcher_key(variant: Variant) -> tuple:
+    """What a variant's launcher depends on: its arguments' types, pointers all alike (the
+    192 variants of a default warmup need 12 launchers). Variants with one key share one
+    launcher, which one worker builds."""
+    signature = json.loads(variant.data).get("signature", {}).values()
+    return tuple("*" if isinstance(t, str) and t.startswith("*") else str(t) for t in signature)
+
+
+def jobs(variants: Sequence[Variant]) -> deque:
+    """The workers' queue: [variant, build its launcher] pairs, the slowest kernels first, the
+    launcher flag on the first variant of each :func:`launcher_key`."""
+    queue, seen = deque(), set()
+    for v in sorted(variants, key=lambda v: (
+            _SLOW_FIRST.index(v.name) if v.name in _SLOW_FIRST else len(_SLOW_FIRST))):
+        key = launcher_key(v)
+        queue.append([v, key not in seen])
+        seen.add(key)
+    return queue
+
+
+def pass_launcher(queue: deque, variant: Variant) -> bool:
+    """Hand the launcher of ``variant`` (whose compile failed) to the next queued variant of
+    its key; False when none is left (the launch then builds it)."""
+    key = launcher_key(variant)
+    for job in queue:
+        if launcher_key(job[0]) == key:
+            job[1] = True
+            return True
+    return False
 
 
 # Kernels whose variants take seconds to compile on an H200 host (the sorts of the filters'
@@ -253,13 +320,13 @@ class Pool:
         env["TRITON_STORE_BINARY_ONLY"] = "1"
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
-        self._fed: set[int] = set()
         try:
             for _ in range(max(1, workers)):
                 self._logs.append(tempfile.TemporaryFile("w+b"))
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=self._logs[-1], text=True, env=env))
+                    stdout=subprocess.PIPE, stderr=self._logs[-1], text=True, env=env,
+                    start_new_session=True))  # (its own process group: see _kill)
         except BaseException:
             self.close()
             raise
@@ -280,29 +347,36 @@ class Pool:
                 return line[len(_TAG):]
 
     def compile(self, variants: Sequence[Variant], target: GPUTarget) -> dict:
-        """Compile ``variants`` for ``target``; returns {"compiled": n, "failed": [error
-        text, ...]}. Never raises for a variant that fails."""
-        queue = deque(sorted(variants, key=lambda v: (
-            _SLOW_FIRST.index(v.name) if v.name in _SLOW_FIRST else len(_SLOW_FIRST))))
+        """Compile ``variants`` and their launchers for ``target``; returns {"compiled": n,
+        "failed": [error text, ...], "launcher_errors": [each distinct text] (why launchers
+        were left for the launches to build)}. Never raises for a variant that fails."""
+        queue = jobs(variants)
         spec = [target.backend, target.arch, target.warp_size]
-        result = {"compiled": 0, "failed": []}
-        busy: dict[int, tuple[Variant, float]] = {}
+        result = {"compiled": 0, "failed": [], "launcher_errors": []}
+        busy: dict[int, tuple[list, float]] = {}
         killed: set[int] = set()
         sel = selectors.DefaultSelector()
 
         def feed(i: int) -> None:
             if not queue:
                 return
-            v = queue.popleft()
+            job = queue.popleft()
             try:
                 self._procs[i].stdin.write(_TAG + json.dumps(
-                    {"target": spec, "variant": dataclasses.asdict(v)}) + "\n")
+                    {"target": spec, "variant": dataclasses.asdict(job[0]),
+                     "launcher": job[1]}) + "\n")
                 self._procs[i].stdin.flush()
-                busy[i] = (v, time.monotonic())
-                self._fed.add(i)
+                busy[i] = (job, time.monotonic())
             except OSError:  # (the worker is gone: the variant goes to another)
-                queue.appendleft(v)
+                queue.appendleft(job)
                 sel.unregister(self._procs[i].stdout)
+
+        def failed(job: list, text: str) -> None:  # (its launcher goes to another job)
+            result["failed"].append(text)
+            if job[1] and not pass_launcher(queue, job[0]):
+                result["launcher_errors"].append(
+                    f"{job[0].name}: its variant failed, and no other of its launcher key "
+                    "was left to build the launcher")
 
         def dispatch() -> None:  # every live idle worker takes a variant while any is left
             for key in list(sel.get_map().values()):
@@ -318,52 +392,61 @@ class Pool:
             while busy:
                 events = sel.select(timeout=5.0)
                 now = time.monotonic()
-                for i, (_v, start) in list(busy.items()):
+                for i, (_job, start) in list(busy.items()):
                     if i not in killed and now - start > VARIANT_TIMEOUT_S:
                         killed.add(i)
-                        self._procs[i].kill()  # (its pipe then reads EOF)
+                        _kill(self._procs[i])  # (its pipe then reads EOF)
                 for key, _ in events:
                     i = key.data
                     line = self._answer(i)
-                    v, _start = busy.pop(i, (None, 0.0))
+                    job, _start = busy.pop(i, (None, 0.0))
                     if not line:  # the worker is gone (its variant is compiled at launch)
                         sel.unregister(key.fileobj)
-                        if v is not None:
-                            why = (f"timed out after {VARIANT_TIMEOUT_S:.0f} s" if i in killed
-                                   else f"worker {i} exited: {self._log(i)}")
-                            result["failed"].append(f"{v.name}: {why}")
+                        if job is not None:
+                            failed(job, f"{job[0].name}: " + (
+                                f"timed out after {VARIANT_TIMEOUT_S:.0f} s" if i in killed
+                                else f"worker {i} exited: {self._log(i)}"))
                         continue
                     done = json.loads(line)
                     if done["ok"]:
                         result["compiled"] += 1
+                        error = done.get("launcher_error")
+                        if error and error not in result["launcher_errors"]:
+                            result["launcher_errors"].append(error)
                     else:
-                        result["failed"].append(done["error"])
+                        failed(job, done["error"])
                 dispatch()
         finally:
             sel.close()
-        result["failed"] += [f"{v.name}: not compiled, no worker left" for v in queue]
+        result["failed"] += [f"{job[0].name}: not compiled, no worker left" for job in queue]
         return result
 
     def close(self) -> None:
-        """Stop the workers (one that was never given a variant at once, killed) and close
-        their pipes and logs."""
-        for i, p in enumerate(self._procs):
-            if i not in self._fed:
-                p.kill()
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10
+        """Stop the workers and close their pipes and logs. They are killed: one that
+        answered has written its cache entries (atomically, as Triton writes them), and one
+        that did not has nothing worth waiting for (its variant is compiled at launch)."""
         for p in self._procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            p.stdout.close()
+            _kill(p)
+        for p in self._procs:
+            p.wait()
+            for pipe in (p.stdin, p.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         for log in self._logs:
             log.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a worker and whatever it started (the compiler's ptxas, the launcher's gcc): its
+    process group, where the system has them."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (AttributeError, OSError):  # (no process groups here)
+        proc.kill()
 
 
 def compile_variants(variants: Sequence[Variant], target: GPUTarget, workers: int,
@@ -371,11 +454,12 @@ def compile_variants(variants: Sequence[Variant], target: GPUTarget, workers: in
     """Compile the variants missing from the on-disk cache in up to ``workers`` processes
     (those of ``pool`` when given, which the caller closes).
 
-    Returns {"cached": n, "compiled": n, "failed": [error text, ...], "workers": n}. Never
-    raises for a variant that fails to compile (its launch compiles it again, serially)."""
+    Returns {"cached": n, "compiled": n, "failed": [error text, ...], "launcher_errors":
+    [each distinct text], "workers": n} (see :meth:`Pool.compile`). Never raises for a
+    variant that fails to compile (its launch compiles it again, serially)."""
     missing = [v for v in variants if not _cached_or_false(v, target)]
     result = {"cached": len(variants) - len(missing), "compiled": 0, "failed": [],
-              "workers": 0}
+              "launcher_errors": [], "workers": 0}
     if not missing:
         return result
     own = pool is None
@@ -441,22 +525,27 @@ def parallel_warmup(calls: Callable[[], object], target: GPUTarget, workers: int
     if knobs.compilation.always_compile:  # (the cache is not read: nothing to fill)
         _report.update(skipped="TRITON_ALWAYS_COMPILE is set")
         return
-    manifest = _manifest_path(config, target)
-    entries = _read_manifest(manifest)
-    if entries is not None and all(_entry_exists(e) for e in entries):
-        _manifest["path"] = manifest
-        _report.update(variants=len(entries), cached=len(entries), compiled=0, failed=[],
-                       workers=0, manifest="hit", collect_s=0.0,
-                       compile_s=time.perf_counter() - t0)
-        return
-    pool = Pool(workers)
+    # On a cache without manifests (a fresh one) the workers start first, their imports
+    # overlapping the manifest's name (which hashes Triton's build: half a second)
+    fresh = not any((Path(knobs.cache.dir) / "specsample_warmup").glob("*.json"))
+    pool = Pool(workers) if fresh else None
     try:
+        manifest = _manifest_path(config, target)
+        entries = _read_manifest(manifest)
+        if entries is not None and all(_entry_exists(e) for e in entries):
+            _manifest["path"] = manifest
+            _report.update(variants=len(entries), cached=len(entries), compiled=0, failed=[],
+                           launcher_errors=[], workers=0, manifest="hit", collect_s=0.0,
+                           compile_s=time.perf_counter() - t0)
+            return
+        pool = pool or Pool(workers)
         t1 = time.perf_counter()
         variants = collect(calls)
         t2 = time.perf_counter()
         result = compile_variants(variants, target, workers, pool)
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
     _report.update(variants=len(variants), collect_s=t2 - t1,
                    compile_s=time.perf_counter() - t2, **result)
     if not variants:  # (no kernel launched: the torch backend, say)
@@ -500,14 +589,15 @@ def count_compiles():
             knobs.compilation.listener = previous
 
 
-def record_launches(seen: dict) -> None:
-    """Add what step 3 did (:func:`count_compiles`) to the report: ``loaded`` and
-    ``compiled_serially`` (variants the parallel steps missed; empty when they covered
-    all). A manifest hit whose calls still compiled is stale: it is deleted, so that the next
-    warmup collects again."""
+def record_launches(seen: dict, seconds: float) -> None:
+    """Add what step 3 did (:func:`count_compiles`) in ``seconds`` to the report: ``loaded``,
+    ``compiled_serially`` (variants the parallel steps missed; empty when they covered all)
+    and ``calls_s``. A manifest hit whose calls still compiled is stale: it is deleted, so
+    that the next warmup collects again."""
     if not _report:
         return
-    _report.update(loaded=seen["loaded"], compiled_serially=list(seen["compiled"]))
+    _report.update(loaded=seen["loaded"], compiled_serially=list(seen["compiled"]),
+                   calls_s=seconds)
     if seen["compiled"] and "path" in _manifest:
         Path(_manifest.pop("path")).unlink(missing_ok=True)
         _report["manifest"] = "hit, stale: deleted"
@@ -522,7 +612,8 @@ def record_failure(error: Exception) -> None:
 def main(answer_fd: int) -> int:
     """Worker (started by :class:`Pool` with its stdout on ``answer_fd`` and fd 1 on stderr):
     reads one tagged JSON job per line on stdin ({"target": [backend, arch, warp size],
-    "variant": {...}}), compiles it and answers one tagged JSON line ({"ok": true} or
+    "variant": {...}, "launcher": bool}), compiles it (and its launcher: :func:`compile_one`)
+    and answers one tagged JSON line ({"ok": true, "launcher_error": null or text} or
     {"ok": false, "error": text}); exits at EOF."""
     answer = os.fdopen(answer_fd, "w")
     for line in sys.stdin:
@@ -531,8 +622,10 @@ def main(answer_fd: int) -> int:
         job = json.loads(line[len(_TAG):])
         variant = Variant(**job["variant"])
         try:
-            compile_one(variant, GPUTarget(*job["target"]))
-            print(_TAG + json.dumps({"ok": True}), file=answer, flush=True)
+            launcher_error = compile_one(variant, GPUTarget(*job["target"]),
+                                         job.get("launcher", True))
+            print(_TAG + json.dumps({"ok": True, "launcher_error": launcher_error}),
+                  file=answer, flush=True)
         except Exception as e:  # reported to the parent, which compiles it again serially
             print(_TAG + json.dumps({"ok": False, "error": f"{variant.name}: {e!r}"[:2000]}),
                   file=answer, flush=True)

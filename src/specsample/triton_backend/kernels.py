@@ -49,7 +49,8 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # (no recompilation when they change). Row strides and vocabulary sizes stay specialised: their
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
-_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB"])
+_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB",
+                                   "filtered"])
 
 
 @triton.jit
@@ -382,11 +383,13 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 
 @triton.jit
-def _cut(cut_v_ptr, cut_i_ptr, row, FILTERED: tl.constexpr):
-    """The filters' cut (cut_v, cut_i) of target row ``row``; (-inf, INT_MAX) unfiltered."""
+def _cut(cut_v_ptr, cut_i_ptr, row, filtered):
+    """The filters' cut (cut_v, cut_i) of target row ``row`` when ``filtered`` (a runtime
+    flag or a constexpr); (-inf, INT_MAX) otherwise (then ``cut_i_ptr`` still points to int32,
+    so that one compiled variant serves both)."""
     cut_v = -float("inf")
     cut_i = 2147483647
-    if FILTERED:
+    if filtered:
         cut_v = tl.load(cut_v_ptr + row)
         cut_i = tl.load(cut_i_ptr + row)
     return cut_v, cut_i
@@ -438,13 +441,12 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 
 @triton.jit(**_NOSPEC)
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
-                  row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr,
-                  y_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, NT,
-                  d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                  out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
-                  res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB,
-                  HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                  RHO_ONLY: tl.constexpr, FILTERED: tl.constexpr, S_MAX: tl.constexpr,
+                  row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr, stats_ptr,
+                  tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
+                  dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
+                  res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB,
+                  filtered, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
+                  BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr,
                   BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel``), draw the correction from the residual where a draft distribution was
@@ -501,7 +503,7 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                 err |= tl.where(dbad, ERR_DRAFT_ROW, 0)
         if use_dist != 0:
             if is_draft:
-                cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
+                cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
                 p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i)
                 q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS)
                 if BLOCK_METHOD:
@@ -576,24 +578,23 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
 @triton.jit
 def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                            draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                           dpart_f_ptr, DS, rho, i, r, tile, cut_v_ptr, cut_i_ptr,
-                           DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                           S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                           dpart_f_ptr, DS, rho, i, r, tile, cut_v_ptr, cut_i_ptr, filtered,
+                           DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Residual weights w = max(rho p - q, 0) of tile ``tile`` of request ``i``'s target row
     ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     w = _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                           draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                          dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
-                          FILTERED, S_MAX)
+                          dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
+                          DRAFT_PROBS, S_MAX)
     return w, offs
 
 
 @triton.jit
 def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                      dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr,
-                      DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr, S_MAX: tl.constexpr):
+                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr,
+                      DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
+                      DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
     """Residual weights w = max(rho p - q, 0) at token ids ``offs`` of request ``i``'s target
     row ``r`` and its draft row."""
     t = tl.load(temp_ptr + i)
@@ -605,7 +606,7 @@ def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
     dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
                                    DRAFT_PROBS, S_MAX)
-    cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, FILTERED)
+    cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
     return _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
                              dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
 
@@ -613,9 +614,9 @@ def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                         dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT,
-                         CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
-                         FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT, CPS, cut_v_ptr,
+                         cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
     w = max(rho_tau p - q, 0) in each tile of the split (the rejected target / draft row pair
     is read once, in parallel over splits). Writes mass [N, NT]."""
@@ -627,17 +628,17 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
-                FILTERED, S_MAX, BLOCK)
+                tl.load(res_rho_ptr + i), i, r, tile, cut_v_ptr, cut_i_ptr, FILTERED,
+                DRAFT_PROBS, S_MAX, BLOCK)
             tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
 
 
 @triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                      draft_start_ptr, draft_req_ptr, draft_j_ptr, d_ptr, dstride, DV,
-                      dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT,
-                      CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
-                      FILTERED: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                      draft_start_ptr, draft_req_ptr, draft_j_ptr, d_ptr, dstride, DV, dpart_m_ptr,
+                      dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT, CPS, cut_v_ptr,
+                      cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                      S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per (draft row, split): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
     whose rho_j the first finish pass wrote (rho_row >= 0; others get 0). Writes
@@ -654,18 +655,17 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                rho, i, r, tile, cut_v_ptr, cut_i_ptr, DRAFT_PROBS, FILTERED, S_MAX, BLOCK)
+                rho, i, r, tile, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS, S_MAX, BLOCK)
             total += tl.sum(w, axis=0)
     tl.store(bmass_ptr + dr.to(tl.int64) * tl.num_programs(1) + s, total)
 
 
 @triton.jit(**_NOSPEC)
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
-                         pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr,
-                         dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                         res_row_ptr, res_rho_ptr, mass_ptr, NT, out_tok_ptr, K, cut_v_ptr,
-                         cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
+                         DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr,
+                         mass_ptr, NT, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered,
+                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
@@ -697,8 +697,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, bt, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
-                FILTERED, S_MAX, BLOCK)
+                tl.load(res_rho_ptr + i), i, r, bt, cut_v_ptr, cut_i_ptr, filtered,
+                DRAFT_PROBS, S_MAX, BLOCK)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
             # The chosen sub-tile only (weights recomputed from cached rows): noise for
@@ -707,8 +707,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             w = _rejected_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, DRAFT_PROBS,
-                FILTERED, S_MAX)
+                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
+                DRAFT_PROBS, S_MAX)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))

@@ -80,7 +80,7 @@ def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT: tl.constexpr,
 
 @triton.jit
 def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr,
-              temp_ptr, cut_v_ptr, cut_i_ptr, FILTERED: tl.constexpr, GENERAL: tl.constexpr):
+              temp_ptr, cut_v_ptr, cut_i_ptr, filtered, GENERAL: tl.constexpr):
     """Decode grid position ``p``: (request, row, emitted, raw mode, n wanted, whether the
     sampling statistics are the raw row's (temperature 0 / 1, no filter cut, not the general
     path), the divisor of processed logprobs)."""
@@ -93,7 +93,7 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
     t = tl.load(temp_ptr + i)
     t_eff = tl.where(t > 0, t, 1.0)
     keep_all = t_eff == 1.0
-    if FILTERED:
+    if filtered:
         cut_v = tl.load(cut_v_ptr + r, mask=emitted, other=-float("inf"))
         cut_i = tl.load(cut_i_ptr + r, mask=emitted, other=BIG)
         keep_all = keep_all & (cut_v == -float("inf")) & (cut_i == BIG)
@@ -102,12 +102,12 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
     return i, j, r, emitted, raw, n_want, keep_all, t_eff
 
 
-@triton.jit(do_not_specialize=["K1", "S", "CPS", "G"])
+@triton.jit(do_not_specialize=["K1", "S", "CPS", "G", "filtered"])
 def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                         invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
                         cut_v_ptr, cut_i_ptr, rank_ptr, count_ptr, pm_ptr, ps_ptr, cand_ptr,
-                        S, CPS, G, FILTERED: tl.constexpr, GENERAL: tl.constexpr,
-                        NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+                        S, CPS, G, filtered, GENERAL: tl.constexpr, NPAD: tl.constexpr,
+                        CAND: tl.constexpr, BLOCK: tl.constexpr):
     """Program (position, q) of an emitted position: for each rank rq = q, q + G, ... below
     n, the best n - rq entries >= L of the tile of rank rq (``rank_tiles``) of the row the
     position ranks (the rows sampled from, unmasked: merging applies the filters' cut),
@@ -121,7 +121,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
     q = tl.program_id(1)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
-        cut_v_ptr, cut_i_ptr, FILTERED, GENERAL)
+        cut_v_ptr, cut_i_ptr, filtered, GENERAL)
     lanes = tl.arange(0, BLOCK)
     if emitted & raw & ~keep_all & (q < S):
         m = -float("inf")
@@ -167,8 +167,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
 
 @triton.jit
 def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                 out_v_ptr, out_i_ptr, o_out, cols, FILTERED: tl.constexpr,
-                 NPAD: tl.constexpr):
+                 out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD: tl.constexpr):
     """Columns 1..n of one position from its candidate keys (any order, EMPTY padding): the
     best while they survive the filters' cut (a prefix), then the dropped tokens at -inf,
     lowest ids first (found among the first 2 * NPAD ids), then -inf / -1."""
@@ -181,7 +180,7 @@ def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride
     tl.store(out_v_ptr + o_out + 1 + idx, (v - m) / div - logz, mask=live)
     tl.store(out_i_ptr + o_out + 1 + idx, ids.to(tl.int64), mask=live)
     filled = kept
-    if FILTERED:
+    if filtered:
         low = tl.arange(0, 2 * NPAD)
         x_low = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + low, mask=low < V,
                         other=0.0).to(tl.float32)
@@ -198,12 +197,12 @@ def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride
     tl.store(out_i_ptr + o_out + cols, tl.full(cols.shape, -1, tl.int64), mask=rest)
 
 
-@triton.jit(do_not_specialize=["K1", "S", "NOUT"])
+@triton.jit(do_not_specialize=["K1", "S", "NOUT", "filtered"])
 def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                          invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
                          cut_v_ptr, cut_i_ptr, stats_ptr, token_ids_ptr, pm_ptr, ps_ptr,
-                         cand_ptr, count_ptr, S, out_v_ptr, out_i_ptr, NOUT,
-                         FILTERED: tl.constexpr, GENERAL: tl.constexpr, NPAD: tl.constexpr,
+                         cand_ptr, count_ptr, S, out_v_ptr, out_i_ptr, NOUT, filtered,
+                         GENERAL: tl.constexpr, NPAD: tl.constexpr,
                          CAND: tl.constexpr, CAND_PAD: tl.constexpr, SMALL: tl.constexpr,
                          S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
     """Per position: column 0 (the emitted token's logprob), columns 1..n (``_emit_sorted``
@@ -213,7 +212,7 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
     tok = tl.load(token_ids_ptr + p)  # (with the position's scalars: one round of loads fewer)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
-        cut_v_ptr, cut_i_ptr, FILTERED, GENERAL)
+        cut_v_ptr, cut_i_ptr, filtered, GENERAL)
     cols = tl.arange(0, OUT_PAD)
     o_out = p.to(tl.int64) * NOUT
     start = tl.where(emitted, n_want + 1, 0)
@@ -239,7 +238,7 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
             x_tok = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + tok).to(tl.float32)
         else:
             x_tok = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + tok).to(tl.float32)
-            if FILTERED:
+            if filtered:
                 cut_v = tl.load(cut_v_ptr + r)
                 cut_i = tl.load(cut_i_ptr + r)
                 keep = (x_tok > cut_v) | ((x_tok == cut_v) & (tok <= cut_i))
@@ -253,12 +252,12 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                 cs = tl.arange(0, SMALL)
                 _emit_sorted(tl.load(cand_ptr + o_c + cs, mask=cs < count, other=EMPTY),
                              n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, FILTERED, NPAD)
+                             out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
             else:
                 cb = tl.arange(0, CAND_PAD)
                 _emit_sorted(tl.load(cand_ptr + o_c + cb, mask=cb < count, other=EMPTY),
                              n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, FILTERED, NPAD)
+                             out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
 
 
 def supported(plan: Plan, general: bool) -> bool:
@@ -323,11 +322,11 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     if q > 0:
         topn_partial_kernel[(p, q)](
             raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, rank, count, pm, ps,
-            cand, s, cps, max(g, 1), FILTERED=filtered, GENERAL=general, NPAD=NPAD, CAND=CAND,
+            cand, s, cps, max(g, 1), int(filtered), GENERAL=general, NPAD=NPAD, CAND=CAND,
             BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1)
     logprob_merge_kernel[(p,)](
         raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, stats, token_ids, pm, ps,
-        cand, count, s, out_v, out_i, n_max + 1, FILTERED=filtered, GENERAL=general,
+        cand, count, s, out_v, out_i, n_max + 1, int(filtered), GENERAL=general,
         NPAD=NPAD, CAND=CAND, CAND_PAD=triton.next_power_of_2(CAND), SMALL=2 * NPAD, S_MAX=S_MAX,
         OUT_PAD=triton.next_power_of_2(NPAD + 1),
         num_warps=4 if num_warps > 1 else 1)
