@@ -720,6 +720,13 @@ def format_profiles(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_profiles(results: list[dict], out: Path) -> None:
+    """kernel_profile.txt in ``out`` (:func:`format_profiles`) when any case was profiled."""
+    if any(r["fused"].get("kernel_us") for r in results):
+        (out / "kernel_profile.txt").write_text(format_profiles(results))
+        print(f"wrote {out / 'kernel_profile.txt'}")
+
+
 def format_problems(results: list[dict]) -> str:
     """Errors, failed graph captures and missed targets, one line each ('' when none)."""
     lines = []
@@ -981,9 +988,7 @@ def report_from_json(path: Path, out: Path) -> int:
     (for a device run where matplotlib was missing)."""
     results = json.loads(path.read_text())["cases"]
     print(format_table(results))
-    if any(r["fused"].get("kernel_us") for r in results):
-        (out / "kernel_profile.txt").write_text(format_profiles(results))
-        print(f"wrote {out / 'kernel_profile.txt'}")
+    write_profiles(results, out)
     problems = format_problems(results)
     if problems:
         print("\nProblems:\n" + problems)
@@ -1049,9 +1054,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"  {case.name}: {_fmt(best_us(r['fused']))} us "
               f"({_fmt(r['ratio_to_floor'], '.2f')}x floor)", flush=True)
     print(format_table(results))
-    if any(r["fused"].get("kernel_us") for r in results):
-        (out / "kernel_profile.txt").write_text(format_profiles(results))
-        print(f"wrote {out / 'kernel_profile.txt'}")
+    write_profiles(results, out)
     problems = format_problems(results)
     if problems:
         print("\nProblems:\n" + problems)

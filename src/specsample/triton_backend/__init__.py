@@ -392,8 +392,7 @@ def _post_compile_hook(*args, **kwargs):
     # a review, matched nothing).
     fn = getattr(getattr(kwargs.get("fn"), "jit_function", None), "fn", None)
     name = getattr(fn, "__qualname__", None) or kwargs.get("repr", "?")
-    module = getattr(fn, "__module__", "") or ""
-    if not _state["warmed"] or not (module == "specsample" or module.startswith("specsample.")):
+    if not _state["warmed"] or not _compile_pool._ours(getattr(fn, "__module__", "") or ""):
         return None
     _state["compiles_after_warmup"].append(str(kwargs.get("repr", name)))
     msg = f"specsample: Triton compiled {name} after warmup (a variant warmup did not cover)"
