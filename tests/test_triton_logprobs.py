@@ -77,6 +77,45 @@ def test_matches_torch_backend(kind, method, processors, dtype, vocab):
         _assert_same(out, ref)
 
 
+@pytest.mark.parametrize("kind,method,processors,dtype,vocab", [
+    ("onehot", "token", False, torch.bfloat16, 4000),
+    ("onehot", "block", "filters", torch.float16, 150),
+    ("draft_logits", "token", "filters", torch.bfloat16, 300),
+    ("draft_probs", "block", False, torch.float32, 300),
+])
+def test_logprobs_zero_written_with_the_tokens(kind, method, processors, dtype, vocab):
+    # logprobs = 0 for every request that asks: finish_kernel (and residual_draw_kernel at a
+    # redrawn correction) write column 0 from the statistics, unless a request in raw mode
+    # (the default, also of requests not asking) needs a normaliser those do not give
+    # (temperature other than 0 / 1, or a filtered batch: the fused kernels' path, tested
+    # above).
+    logits, d, ks, batch0, pos, extra = _case(11, 12, vocab, dtype, kind, processors=processors)
+    mixes = [[(0, "processed"), (None, "processed")]]
+    if not processors:
+        mixes += [[(0, "raw"), (0, "processed")], [(0, "processed"), (None, "raw")]]
+    for lps in mixes:
+        batch = _with_logprobs(batch0, lps, vocab)
+        raw_t = {p.temperature for p in batch.params if p.logprobs_mode == "raw"}
+        in_finish = not raw_t or (not processors and raw_t <= {0.0, 1.0})
+        out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+        assert path == ["triton.logprobs.finish" if in_finish else "triton.logprobs.fused"]
+        _assert_same(out, ref)
+        # (a case that can fail: the columns 0 must be the emitted tokens with finite values)
+        emitted = out.token_ids >= 0
+        assert torch.equal(out.logprob_token_ids[..., 0], out.token_ids)
+        assert torch.isfinite(out.logprobs[..., 0][emitted]).any()
+        assert torch.isinf(out.logprobs[..., 0][~emitted]).all()
+    # raw requests at temperatures 0 and 1 only, no filters: still written with the tokens
+    params = [SamplingParams(**{**p.__dict__, "temperature": [0.0, 1.0][i % 2], "logprobs": 0,
+                                "logprobs_mode": "raw", "top_k": 0, "top_p": 1.0,
+                                "min_p": 0.0})
+              for i, p in enumerate(batch0.params)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+    assert path == ["triton.logprobs.finish"]
+    _assert_same(out, ref)
+
+
 @pytest.mark.parametrize("n_top", [5, 20])
 def test_ties_go_to_the_lower_id(n_top):
     # Logits from {0, 1, 2}: every top-n boundary falls inside a tie group, across splits.
@@ -116,9 +155,10 @@ def test_neg_inf_entries_and_more_logprobs_than_vocabulary():
     assert out.logprobs[1, 0, 2].item() == -math.inf
 
 
-def test_invalid_requests_get_padding():
+@pytest.mark.parametrize("lps", [[(3, "raw"), (2, "processed")], [(0, "processed")]])
+def test_invalid_requests_get_padding(lps):
     logits, d, ks, batch, pos, extra = _case(3, 5, 300, torch.float16, "onehot")
-    batch = _with_logprobs(batch, [(3, "raw"), (2, "processed")], 300)
+    batch = _with_logprobs(batch, lps, 300)
     logits[0, 5] = float("nan")
     logits[-1] = float("-inf")
     out, ref, _ = _both(logits, d, ks, batch, pos)
@@ -128,13 +168,16 @@ def test_invalid_requests_get_padding():
     assert (out.logprob_token_ids[bad] == -1).all() and torch.isinf(out.logprobs[bad]).all()
 
 
-def test_sample_matches_torch_backend():
+@pytest.mark.parametrize("lps,modes,want", [
+    ([0, 4, None], ["raw", "processed"], "triton.logprobs.fused"),
+    ([0, None, 0], ["processed"], "triton.logprobs.finish"),  # logprobs = 0 with the tokens
+])
+def test_sample_matches_torch_backend(lps, modes, want):
     gen = torch.Generator().manual_seed(5)
     vocab = 4000
     logits = (torch.randn(6, vocab, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
     params = [SamplingParams(temperature=[0.0, 0.8, 1.0][i % 3], seed=i,
-                             logprobs=[0, 4, None][i % 3],
-                             logprobs_mode=["raw", "processed"][i % 2],
+                             logprobs=lps[i % 3], logprobs_mode=modes[i % len(modes)],
                              **([dict(top_p=0.9)] * 2 + [{}])[i % 3]) for i in range(6)]
     batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
     pos = torch.arange(6, device=DEVICE)
@@ -145,7 +188,7 @@ def test_sample_matches_torch_backend():
             paths.reset()
             outs[backend] = specsample.sample(logits, batch, positions=pos, strict=False)
             if backend == "triton":
-                assert "triton.logprobs.fused" in paths.counts()
+                assert want in paths.counts()
     out, ref = outs["triton"], outs["torch"]
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu())

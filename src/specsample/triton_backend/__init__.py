@@ -12,8 +12,11 @@ Paths (``specsample.paths``):
   (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
   deterministic trees, the same launches over the node rows (``tree.py``).
-* ``triton.logprobs.fused``: logprobs were asked for (top-n up to ``logprobs.NPAD`` = 32):
-  two launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
+* ``triton.logprobs.finish``: logprobs = 0 for every request that asks, whose values the
+  sampling statistics give (processed mode, or raw mode at temperature 0 / 1 unfiltered):
+  ``finish_kernel`` writes them with the tokens, no launch of their own.
+* ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
+  launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
 * ``triton.logprobs.torch``: more than 32 top-n logprobs, or ``verify_tree()``: the emitted
   rows are gathered and their log-distributions computed with PyTorch from the kernels' row
   statistics.
@@ -302,6 +305,15 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     res_row = torch.empty(n, dtype=torch.int64, device=dev)
     res_rho = torch.empty(n, dtype=torch.float32, device=dev)
+    # logprobs = 0 for everyone, from the statistics alone: finish_kernel writes them with the
+    # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
+    lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
+    if lp0:
+        lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
+        lp_i = torch.empty(n, k + 1, 1, dtype=torch.int64, device=dev)
+    else:  # (never written; typed as the real ones: one kernel variant)
+        lp_v, lp_i = res_rho, token_ids
+    lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
     block = plan.has_draft_dist and plan.method == "block"
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1
@@ -313,7 +325,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             y, stats, tiles[0], tiles[1], nt,
             draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
             token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
-            rho_row, bmass, sb, int(filtered), HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs,
+            rho_row, bmass, sb, int(filtered), *lp_args, HAS_DRAFT=plan.has_draft_dist,
+            DRAFT_PROBS=is_probs,
             BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=4 if not _interpreting(dev) else 1)
 
@@ -344,7 +357,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
             dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,
-            cut_i, int(filtered), DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
+            cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
             num_warps=warps)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
@@ -355,7 +368,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         token_ids = token_ids.masked_fill(bad[:, None], -1)
         num_accepted = num_accepted.masked_fill(bad, 0)
     logprobs = logprob_ids = None
-    if fused_logprobs:
+    if lp0:
+        paths.record("triton.logprobs.finish", rows)
+        logprobs, logprob_ids = lp_v, lp_i
+    elif fused_logprobs:
         paths.record("triton.logprobs.fused", rows)
         raw = _contiguous_rows(plan.logits, "target") if general else x
         logprobs, logprob_ids = logprobs_kernels.emitted_logprobs(

@@ -50,7 +50,8 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
 _NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB",
-                                   "filtered"])
+                                   "filtered", "lp0"])
+J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
 
 @triton.jit
@@ -445,9 +446,9 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
                   dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
                   res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB,
-                  filtered, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
-                  BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
+                  DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
+                  RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel``), draw the correction from the residual where a draft distribution was
     rejected, and write token ids [K+1], num_accepted and the error bitmask.
@@ -455,7 +456,9 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
     ratio rho_j (1 <= j < k) to ``rho_row``; ``block_mass_kernel`` then sums every
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) in parallel over (draft row, split) into
-    ``bmass`` [drafts, SB], which the second run reads."""
+    ``bmass`` [drafts, SB], which the second run reads.
+
+    With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1]."""
     i = tl.program_id(0)
     k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)
@@ -545,14 +548,36 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     if not RHO_ONLY:
         _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
                         rho_tau, y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                        out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, HAS_DRAFT)
+                        out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, x_ptr, stride, t,
+                        stats_ptr, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
+                        lp_i_ptr, lp0, HAS_DRAFT)
+
+
+@triton.jit
+def _emitted_logprob(x_ptr, stride, r, tok, live, t, stats_ptr, cut_v_ptr, cut_i_ptr, filtered,
+                     processed):
+    """The logprob of token ``tok`` at row ``r`` (scalars or vectors; -inf where not
+    ``live``) from the row's statistics: (x - max) / T - log-normaliser, the filters' dropped
+    tokens at -inf. Raw mode is the same with T = 1: the fused path only serves it here when
+    the statistics are the raw row's (temperature 0 or 1, no filter cut)."""
+    m = tl.load(stats_ptr + r.to(tl.int64) * 3, mask=live, other=0.0)
+    logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1, mask=live, other=0.0)
+    x = tl.load(x_ptr + r.to(tl.int64) * stride + tok, mask=live, other=0.0).to(tl.float32)
+    if filtered:
+        cut_v = tl.load(cut_v_ptr + r, mask=live, other=-float("inf"))
+        cut_i = tl.load(cut_i_ptr + r, mask=live, other=2147483647)
+        x = tl.where((x > cut_v) | ((x == cut_v) & (tok <= cut_i)), x, -float("inf"))
+    v = (x - m) / tl.where(processed, t, 1.0) - logz
+    return tl.where(live, v, -float("inf"))
 
 
 @triton.jit
 def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row, rho_tau,
                     y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                    out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, HAS_DRAFT: tl.constexpr):
-    """The outputs of ``finish_kernel`` for request ``i``."""
+                    out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, x_ptr, stride, t, stats_ptr,
+                    cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
+                    HAS_DRAFT: tl.constexpr):
+    """The outputs of ``finish_kernel`` for request ``i``, J_BLOCK positions at a time."""
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
     # A rejected draft distribution: residual_mass_kernel / residual_draw_kernel draw the
@@ -564,12 +589,21 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
         tl.store(res_rho_ptr + i, rho_tau)
     emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
-    for j in range(0, K + 1):
+    processed = tl.load(lp_proc_ptr + i) != 0
+    for j0 in range(0, K + 1, J_BLOCK):
+        j = j0 + tl.arange(0, J_BLOCK)
+        inb = j <= K
         dj = dstart + tl.minimum(j, tl.maximum(k - 1, 0))
-        d = tl.load(draft_ids_ptr + dj, mask=j < n_acc, other=-1)
+        d = tl.load(draft_ids_ptr + dj, mask=inb & (j < n_acc), other=-1)
         tok = tl.where(j < n_acc, d, tl.where(j == n_acc, emit, -1))
         tok = tl.where(invalid, -1, tok)
-        tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
+        o = i.to(tl.int64) * (K + 1) + j
+        tl.store(out_tok_ptr + o, tok.to(tl.int64), mask=inb)
+        if lp0 != 0:  # (tok >= 0 exactly at the emitted positions)
+            lp = _emitted_logprob(x_ptr, stride, start + j, tok, inb & (tok >= 0), t,
+                                  stats_ptr, cut_v_ptr, cut_i_ptr, filtered, processed)
+            tl.store(lp_v_ptr + o, lp, mask=inb)
+            tl.store(lp_i_ptr + o, tok.to(tl.int64), mask=inb)
     tl.store(out_nacc_ptr + i, n_acc.to(tl.int64))
     tl.store(out_err_ptr + i, err.to(tl.int64))
     tl.store(out_invalid_ptr + i, invalid)
@@ -665,11 +699,13 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
                          DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr,
                          mass_ptr, NT, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered,
-                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, DRAFT_PROBS: tl.constexpr,
+                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
-    when the residual mass is 0 (p == q to rounding). Overwrites the correction token."""
+    when the residual mass is 0 (p == q to rounding). Overwrites the correction token (and,
+    with ``lp0``, its logprob: ``finish_kernel``)."""
     i = tl.program_id(0)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
@@ -713,4 +749,12 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
             tok = (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
-        tl.store(out_tok_ptr + i.to(tl.int64) * (K + 1) + j, tok.to(tl.int64))
+        o = i.to(tl.int64) * (K + 1) + j
+        tl.store(out_tok_ptr + o, tok.to(tl.int64))
+        if lp0 != 0:
+            t = tl.load(temp_ptr + i)
+            lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, tl.where(t > 0, t, 1.0),
+                                  stats_ptr, cut_v_ptr, cut_i_ptr, filtered,
+                                  tl.load(lp_proc_ptr + i) != 0)
+            tl.store(lp_v_ptr + o, lp)
+            tl.store(lp_i_ptr + o, tok.to(tl.int64))

@@ -19,6 +19,10 @@ So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
    normaliser, columns 1..n by extracting the best keys of the position's candidates;
    -inf / -1 padding. Positions past the accepted prefix exit at once in every kernel.
 
+When the batch wants column 0 alone and the statistics give it (:func:`in_finish`),
+neither kernel runs: ``kernels.finish_kernel`` writes column 0 with the tokens (and
+``kernels.residual_draw_kernel`` at a redrawn correction), saving a launch.
+
 Ranking is by the values before normalisation (the raw logits, the general path's processed
 float32 logits), so two entries that round to the same logprob keep their exact order; ties
 go to the lower id. In processed mode the filters' survivors are a prefix of that order, so
@@ -275,6 +279,22 @@ def supported(plan: Plan, general: bool) -> bool:
     return batch.needs_bias or batch.needs_penalties
 
 
+def _needs_raw_normaliser(plan: Plan, general: bool, filtered: bool) -> bool:
+    """Whether a request in raw mode (column 0 is filled for every request, raw by default)
+    needs a normaliser the sampling statistics do not give (temperature other than 0 / 1, a
+    filter cut, or the general path's processed rows)."""
+    return any(p.logprobs_mode == "raw" and (
+        general or filtered or p.temperature not in (0.0, 1.0)) for p in plan.batch.params)
+
+
+def in_finish(plan: Plan, general: bool, filtered: bool) -> bool:
+    """Whether the batch's logprobs are column 0 alone (logprobs = 0) from the sampling
+    statistics, which ``kernels.finish_kernel`` writes with the tokens: no launch of their
+    own (the fused path only, no raw normaliser to compute)."""
+    return (plan.batch.max_logprobs == 0 and not general
+            and not _needs_raw_normaliser(plan, general, filtered))
+
+
 def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: torch.Tensor,
                      stats: torch.Tensor, filtered: bool, general: bool, cut_v: torch.Tensor,
                      cut_i: torch.Tensor, token_ids: torch.Tensor, num_accepted: torch.Tensor,
@@ -314,8 +334,7 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     common = (num_accepted, invalid.view(torch.uint8), plan.row_start, batch.logprobs_n,
               batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i)
     # the raw normaliser, where the sampling statistics are not the raw row's
-    need_full = any(p_.logprobs_mode == "raw" and (
-        general or filtered or p_.temperature not in (0.0, 1.0)) for p_ in batch.params)
+    need_full = _needs_raw_normaliser(plan, general, filtered)
     # ranks per program: about `programs` programs in all (most positions are not emitted)
     g = min(n_max, max(1, math.ceil(programs / p)))
     q = max(g, s if need_full else 0)
