@@ -13,8 +13,9 @@ Paths (``specsample.paths``):
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
   deterministic trees, the same launches over the node rows (``tree.py``).
 * ``triton.logprobs.finish``: logprobs = 0 for every request that asks, whose values the
-  sampling statistics give (processed mode, or raw mode at temperature 0 / 1 unfiltered):
-  ``finish_kernel`` writes them with the tokens, no launch of their own.
+  sampling statistics give (processed mode, or raw mode at temperature 0 / 1 in a batch
+  without top_k / top_p / min_p): ``finish_kernel`` writes them with the tokens, no launch
+  of their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
   launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
 * ``triton.logprobs.torch``: more than 32 top-n logprobs, or ``verify_tree()``: the emitted

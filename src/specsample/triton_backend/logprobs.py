@@ -348,5 +348,5 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
         cand, count, s, out_v, out_i, n_max + 1, int(filtered), GENERAL=general,
         NPAD=NPAD, CAND=CAND, CAND_PAD=triton.next_power_of_2(CAND), SMALL=2 * NPAD, S_MAX=S_MAX,
         OUT_PAD=triton.next_power_of_2(NPAD + 1),
-        num_warps=4 if num_warps > 1 else 1)
+        num_warps=1)  # (a sort of 64 keys: one warp, no cross-warp steps; 4 were 0.3-1 us slower)
     return out_v, out_i
