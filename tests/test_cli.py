@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specsample import cli
 
@@ -134,6 +135,8 @@ def no_model_load(monkeypatch):
     (["--min-p", "1.5"], "--min-p must be in [0, 1], got 1.5"),
     (["--temperature", "nan"], "--temperature must be finite"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--device", "bogus"], "--device: 'bogus' is not a device; use cpu, cuda or cuda:N"),
+    (["--device", "meta"], "--device: 'meta' is not supported"),
     (["--draft-model", "default"], "--draft-model is only used with --drafter model"),
     (["--drafter", "model", "--draft-model", "/nonexistent/d"],
      "--draft-model: model path not found: /nonexistent/d"),
@@ -144,6 +147,30 @@ def test_clear_errors(argv, message, no_model_load, capsys):
     assert cli.main(["generate", "--prompt", "hi", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_device_cuda_without_cuda(no_model_load, capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == \
+        "error: --device cuda: CUDA is not available on this machine\n"
+
+
+@pytest.mark.gpu
+def test_generate_on_cuda_matches_cpu(tiny_model_dir, capsys):
+    # The engine on the GPU: the model's forwards and the sampler's Triton kernels there;
+    # greedy and seeded sampling give the CPU run's tokens (float64 model: its logits agree
+    # to float32 rounding on both devices), and the Triton path ran.
+    args = ["--model", str(tiny_model_dir), "--dtype", "float64", "--prompt", PROMPT,
+            "--no-chat", "--max-new-tokens", "16", "--no-warmup"]
+    for extra in (["--temperature", "0"], ["--temperature", "0.8", "--seed", "5"],
+                  ["--temperature", "0.8", "--seed", "5", "--top-p", "0.9", "--method",
+                   "block", "--drafter", "model", "--draft-model", str(tiny_model_dir)]):
+        cpu = run_json(capsys, *args, *extra)
+        gpu = run_json(capsys, *args, *extra, "--device", "cuda")
+        assert gpu["outputs"][0]["token_ids"] == cpu["outputs"][0]["token_ids"]
+        assert any(p.startswith("triton.") for p in gpu["stats"]["paths"]), gpu["stats"]
+        assert gpu["stats"]["tokens_per_s"] > 0
 
 
 def test_missing_prompt(capsys):

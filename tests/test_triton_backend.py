@@ -169,6 +169,13 @@ def test_filtered_top_p_near_one_needs_no_serial_search(top_p):
     assert triton_backend.filter_serial_rows(DEVICE) == before
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_filter_serial_rows_without_cuda_names_the_device():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        triton_backend.filter_serial_rows()
+    assert triton_backend.filter_serial_rows("cpu") >= 0
+
+
 @pytest.mark.parametrize("rows", ["ties", "neg_inf", "equal"])
 def test_filtered_path_edge_rows(rows):
     # Ties at the cut, rows mostly -inf, all-equal rows: the kept set and the tokens match.

@@ -62,6 +62,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["float32", "float64", "bfloat16", "float16"],
                    help="model dtype (float32; float64 makes the 1-token and k+1-token forwards "
                         "agree exactly on CPU)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model and the sampler run: cpu (default), cuda or cuda:N "
+                        "(on CUDA the sampler takes the Triton kernels)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: with more, a small model on a machine "
                         "whose cores are busy with other work ran up to 10x slower)")
@@ -164,6 +167,7 @@ def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    _validate_device(args.device)
     if args.ngram_min < 1:
         raise CLIError(f"--ngram-min must be >= 1, got {args.ngram_min}")
     if args.ngram_max < args.ngram_min:
@@ -189,6 +193,24 @@ def _validate_generate_args(args: argparse.Namespace) -> tuple[list[str], Any]:
             except ModelNotFoundError as exc:
                 raise CLIError(f"{option}: {exc}") from None
     return texts, base
+
+
+def _validate_device(spec: str) -> None:
+    """--device: cpu, or a CUDA device this machine has (CLIError otherwise)."""
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"--device: {spec!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device: {spec!r} is not supported; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {spec}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CLIError(f"--device {spec}: this machine has {torch.cuda.device_count()} "
+                           "CUDA device(s)")
 
 
 def _validate_tree_args(args: argparse.Namespace) -> None:
@@ -312,10 +334,12 @@ def run_generate(args: argparse.Namespace) -> int:
     console_err = Console(file=sys.stderr)  # bound now: _load hides sys.stderr while loading
     torch.set_num_threads(args.threads)
     target = _load(args.model, console_err, what="model", dtype=args.dtype)
+    target.model.to(args.device)
     draft = None
     if args.drafter == "model":
         draft = _load(args.draft_model, console_err, what="draft model", dtype=args.dtype,
                       load_tokenizer=False)
+        draft.model.to(args.device)
     prompts = [encode_prompt(target.tokenizer, t, chat=not args.no_chat) for t in texts]
 
     # Seeds: the user's seed (+ i per request) or one drawn here, so that --compare runs the

@@ -138,8 +138,15 @@ def filter_serial_rows(device="cuda") -> int:
     """How many filtered rows took the filter kernels' serial search (more than FILTER_CAP
     candidates, 512 on CUDA: flat rows with a large nucleus, or top_k above the number of
     vocabulary tiles)
-    since the process started on ``device``. Reading it synchronises with the device."""
-    return int(_serial_counter(torch.device(device)).item())
+    since the process started on ``device``. Reading it synchronises with the device.
+
+    Raises ValueError for a CUDA device when CUDA is not available (on CPU tensors the
+    kernels run in Triton's interpreter: pass ``device="cpu"``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"filter_serial_rows(device={str(device)!r}): CUDA is not available; "
+                         "pass the device the filters ran on ('cpu' for Triton's interpreter)")
+    return int(_serial_counter(dev).item())
 
 
 def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
