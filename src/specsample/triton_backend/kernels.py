@@ -566,7 +566,7 @@ def _emitted_logprob(x_ptr, stride, r, tok, live, t, stats_ptr, cut_v_ptr, cut_i
     if filtered:
         cut_v = tl.load(cut_v_ptr + r, mask=live, other=-float("inf"))
         cut_i = tl.load(cut_i_ptr + r, mask=live, other=2147483647)
-        x = tl.where((x > cut_v) | ((x == cut_v) & (tok <= cut_i)), x, -float("inf"))
+        x = tl.where(_survives(x, tok, cut_v, cut_i), x, -float("inf"))
     v = (x - m) / tl.where(processed, t, 1.0) - logz
     return tl.where(live, v, -float("inf"))
 

@@ -292,7 +292,7 @@ def in_finish(plan: Plan, general: bool, filtered: bool) -> bool:
     statistics, which ``kernels.finish_kernel`` writes with the tokens: no launch of their
     own (the fused path only, no raw normaliser to compute)."""
     return (plan.batch.max_logprobs == 0 and not general
-            and not _needs_raw_normaliser(plan, general, filtered))
+            and not _needs_raw_normaliser(plan, False, filtered))
 
 
 def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: torch.Tensor,
