@@ -9,13 +9,14 @@ number of draws made here (the fixed seeds make that a checked fact, not a hope)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, paths, torch_backend
+from specsample import SamplingBatch, SamplingParams, paths, reference, torch_backend
 from specsample.plan import build_plan
 
 triton_backend = pytest.importorskip("specsample.triton_backend")
@@ -152,6 +153,82 @@ def test_filtered_path_serial_search_fallback():
                        pos, {}, "token")
     assert path == "triton.verify.filtered"
     assert triton_backend.filter_serial_rows(DEVICE) - before == 2
+
+
+def _kept_sets(logits: torch.Tensor, params: list[SamplingParams]):
+    """Each row's kept set under the Triton filters and the torch backend's (processed
+    logprobs of every token, which read the filters' cut), and under the float64 reference
+    (None for the rows it calls fragile: a decision within rounding, such as a tie at the
+    cut, which the two backends settle by the documented rule)."""
+    v = logits.shape[1]
+    lp = [SamplingParams(**{**p.__dict__, "logprobs": v, "logprobs_mode": "processed"})
+          for p in params]
+    batch = SamplingBatch.from_params(lp, vocab_size=v, device=DEVICE)
+    sets = {}
+    for backend in ("triton", "torch"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", backend)
+            out = specsample.sample(logits, batch,
+                                    positions=torch.arange(len(params), device=DEVICE))
+        ids, vals = out.logprob_token_ids[:, 1:].cpu(), out.logprobs[:, 1:].cpu()
+        sets[backend] = [{int(i) for i, x in zip(ids[r], vals[r]) if x > -float("inf")
+                          and i >= 0} for r in range(len(params))]
+    want = []
+    for r, p in enumerate(params):
+        trace = reference.RequestTrace()
+        row = reference.process_row(logits[r].cpu(), p, trace=trace)
+        want.append(None if trace.fragile else {int(i) for i in np.flatnonzero(np.isfinite(
+            row.z))})
+    return sets["triton"], sets["torch"], want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_filtered_path_histogram_search(dtype):
+    # Rows whose candidates overflow the select kernel's buffer (flat rows with a large
+    # nucleus, top_k above the tile count, ties at the cut) take the exact-key histogram
+    # search, not the serial one: the reference's kept sets, counted as histogram rows.
+    gen = torch.Generator().manual_seed(6)
+    v = 2 * 2048 + 100
+    flat = torch.randn(6, v, generator=gen) * 0.3
+    ints = torch.randint(0, 5, (2, v), generator=gen).float()  # exact ties at every cut
+    logits = torch.cat([flat, ints]).to(dtype).to(DEVICE)
+    params = [SamplingParams(seed=i, **f) for i, f in enumerate(
+        [dict(top_p=0.9), dict(top_k=3000), dict(top_k=700, top_p=0.8),
+         dict(temperature=0.8, min_p=0.2, top_p=0.95), dict(temperature=3.0, top_p=0.99),
+         dict(top_k=2, top_p=0.5), dict(top_p=0.5), dict(top_k=1500, top_p=0.9)])]
+    serial = triton_backend.filter_serial_rows(DEVICE)
+    hist = triton_backend.filter_histogram_rows(DEVICE)
+    got, torch_sets, want = _kept_sets(logits, params)
+    for r in range(len(params)):
+        assert got[r] == torch_sets[r], (r, len(got[r]), len(torch_sets[r]))
+        assert want[r] is None or got[r] == want[r], r
+    assert sum(w is not None for w in want) >= 4
+    assert triton_backend.filter_serial_rows(DEVICE) == serial
+    # row 5 (top_k 2: a two-token cut from the tile maxima) fits the buffer
+    assert triton_backend.filter_histogram_rows(DEVICE) - hist == len(params) - 1
+
+
+def test_filtered_path_histogram_search_skips_empty_keys_and_falls_back():
+    # fp16 keys keep float32's exponent range: values on both sides of zero leave hundreds of
+    # thousands of keys no token has between them, which the histogram chunks skip. A row
+    # whose tokens need more chunks than the search has (values 16 binades apart, one chunk
+    # each) takes the serial search, counted, with the same kept set.
+    gen = torch.Generator().manual_seed(2)
+    v = 4000
+    x = torch.rand(3, v, generator=gen) * 2000 - 1000
+    spread = torch.tensor([s * 2.0 ** (12 - 4 * i) for i in range(12) for s in (1, -1)])
+    x[2] = spread[torch.randint(0, 24, (v,), generator=gen)]
+    x = x.to(torch.float16).to(DEVICE)
+    serial = triton_backend.filter_serial_rows(DEVICE)
+    hist = triton_backend.filter_histogram_rows(DEVICE)
+    params = [SamplingParams(seed=0, temperature=5000.0, top_p=0.99),
+              SamplingParams(seed=1, temperature=2000.0, top_k=3500),
+              SamplingParams(seed=2, temperature=1e6, top_p=0.99)]
+    got, torch_sets, _ = _kept_sets(x, params)
+    assert got == torch_sets
+    assert len(got[0]) > 3000 and len(got[1]) == 3500 and len(got[2]) > 3000
+    assert triton_backend.filter_histogram_rows(DEVICE) - hist == 2
+    assert triton_backend.filter_serial_rows(DEVICE) - serial == 1
 
 
 @pytest.mark.parametrize("top_p", [0.9, 0.9999, 0.999999])

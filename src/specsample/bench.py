@@ -81,6 +81,7 @@ OPTION_CASES = {
     "T0.6+p0.9": (0.6, dict(top_p=0.9)),
     "T1.0+minp0.1": (1.0, dict(min_p=0.1)),
     "T1.0+k50": (1.0, dict(top_k=50)),
+    "T1.0+p0.9": (1.0, dict(top_p=0.9)),  # (a nucleus of thousands of tokens on these rows)
     "lp0-raw": (1.0, dict(logprobs=0)),
     "lp0-processed": (1.0, dict(logprobs=0, logprobs_mode="processed")),
     "lp5-raw": (1.0, dict(logprobs=5)),
@@ -505,19 +506,22 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
     fn = make_call(case, inp, variant)
     res: dict = {"eager_us": None, "graph_us": None, "host_us": None, "peak_temp_mib": None,
                  "paths": {},
-                 "error": None, "graph_error": None, "filter_serial_rows": None}
+                 "error": None, "graph_error": None, "filter_serial_rows": None,
+                 "filter_histogram_rows": None}
     paths.reset()
     with paths.forbid(*forbidden_paths(cfg.backend, variant)):
         try:
             res["output"] = fn()
             if cfg.backend == "triton" and case.options:
-                # rows of one call that took the filter kernels' serial search (a fallback)
+                # rows of one call whose candidates overflowed the filter kernels' buffer:
+                # the histogram search, or the serial one (the fallbacks)
                 from . import triton_backend
 
-                before = triton_backend.filter_serial_rows(cfg.device)
+                counters = (triton_backend.filter_serial_rows, triton_backend.filter_histogram_rows)
+                before = [c(cfg.device) for c in counters]
                 fn()
-                res["filter_serial_rows"] = triton_backend.filter_serial_rows(
-                    cfg.device) - before
+                for c, b in zip(counters, before):
+                    res[c.__name__] = c(cfg.device) - b
             res["peak_temp_mib"] = peak_temp_mib(fn, cfg.device)
             res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms,
                                       rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)

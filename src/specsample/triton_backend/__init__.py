@@ -129,24 +129,46 @@ FILTER_CAP = 512
 FILTER_CAP_INTERPRETED = 64
 
 
+def _filter_counters(device: torch.device) -> torch.Tensor:
+    """[2] int64 on ``device``: filtered rows that overflowed the candidate buffer and took the
+    serial search, and those the histogram search served. One tensor per device, whatever
+    name it was given ("cuda" and "cuda:0" are the same counters)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _counters_of(device)
+
+
 @functools.lru_cache(maxsize=8)
-def _serial_counter(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64, device=device)
+def _counters_of(device: torch.device) -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def _read_counter(device, slot: int, name: str) -> int:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}(device={str(device)!r}): CUDA is not available; "
+                         "pass the device the filters ran on ('cpu' for Triton's interpreter)")
+    return int(_filter_counters(dev)[slot].item())
 
 
 def filter_serial_rows(device="cuda") -> int:
-    """How many filtered rows took the filter kernels' serial search (more than FILTER_CAP
-    candidates, 512 on CUDA: flat rows with a large nucleus, or top_k above the number of
-    vocabulary tiles)
-    since the process started on ``device``. Reading it synchronises with the device.
+    """How many filtered rows took the filter kernels' serial search since the process started
+    on ``device`` (rows with more than FILTER_CAP candidates, 512 on CUDA, that the histogram
+    search cannot serve: float32 logits, or keys from the row's maximum down to the cut's
+    bound spanning more than 65,536 bf16 / fp16 keys). Reading it synchronises with the
+    device.
 
     Raises ValueError for a CUDA device when CUDA is not available (on CPU tensors the
     kernels run in Triton's interpreter: pass ``device="cpu"``)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"filter_serial_rows(device={str(device)!r}): CUDA is not available; "
-                         "pass the device the filters ran on ('cpu' for Triton's interpreter)")
-    return int(_serial_counter(dev).item())
+    return _read_counter(device, 0, "filter_serial_rows")
+
+
+def filter_histogram_rows(device="cuda") -> int:
+    """How many filtered rows overflowed the candidate buffer (flat rows with a large
+    nucleus, top_k above the number of vocabulary tiles) and took the exact-key histogram
+    search (bf16 / fp16 logits: a few reads of the row) since the process started on
+    ``device``. Reading it synchronises with the device. Errors as :func:`filter_serial_rows`."""
+    return _read_counter(device, 1, "filter_histogram_rows")
 
 
 def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
@@ -172,8 +194,9 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
                 S_MAX=S_MAX, BLOCK=BLOCK)
     filters.gather_kernel[(rows, sg)](*row_args, tps, cand, count, tail, **meta,
                                       num_warps=warps)
+    hist = torch.empty(rows, filters.NB.value, dtype=torch.int32, device=dev)  # (scratch)
     filters.select_kernel[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
-                                   _serial_counter(dev), **meta, num_warps=warps)
+                                   _filter_counters(dev), hist, **meta, num_warps=warps)
     filters.rewrite_kernel[(rows, sg)](x, x.stride(0), plan.vocab_size, tiles[0], tiles[1],
                                        tiles[2], nt, tps, temp, plan.row_req, cut_v, cut_i,
                                        BLOCK=BLOCK, num_warps=warps)

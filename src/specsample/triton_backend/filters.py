@@ -16,8 +16,13 @@ float64, top_k by rank, top_p on float64 masses. Three launches after the statis
    tens to hundreds of candidates.
 2. ``select_kernel`` (one program per row): sorts the row's candidates and reads the cut off
    them (rank for top_k, a float64 cumulative sum for top_p). A row with more than ``CAP``
-   candidates takes the serial search instead (``_serial_cut``: a 16-ary search over the keys,
-   exact but slow), counted in a device counter (``filter_serial_rows``).
+   candidates (a nucleus of thousands of tokens, top_k above the number of tiles) takes the
+   histogram search (``_hist_cut``): exact per-key counts of bf16 / fp16 keys, in chunks of
+   NB keys from the row's maximum down, give the k-th key, or the float64 masses (count x the
+   key's mass) and the nucleus's last key; then one pass finds the id among its ties. A few
+   reads of the row; counted (``filter_histogram_rows``). Float32 rows, and rows whose tokens
+   need more than NCH chunks, take the serial search (``_serial_cut``: a 16-ary search over
+   the keys, exact but slow), counted too (``filter_serial_rows``).
 3. ``rewrite_kernel`` (rows x splits): the tile sums of the statistics pass become the
    survivors' sums (tiles without survivors get 0), so the sampling kernels draw from the
    filtered distribution with the same three-level Gumbel-max as without filters.
@@ -34,6 +39,8 @@ INT_MAX = tl.constexpr(2147483647)
 NQ = tl.constexpr(16)  # thresholds evaluated per pass of the search
 SUB = tl.constexpr(512)  # elements per step inside a tile
 S_G_MAX = tl.constexpr(128)  # most gather splits of one row
+NB = tl.constexpr(4096)  # keys per chunk of the exact-key histogram search
+NCH = tl.constexpr(16)  # most chunks of the histogram search; more go to the serial search
 
 
 @triton.jit
@@ -133,14 +140,13 @@ def _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, key, n, cut_key, cut_i,
     found = INT_MAX
     for tile in range(0, NT):
         if (found == INT_MAX) & (_pick(ttop_key, toffs, tile) >= key):
-            for sub in range(0, BLOCK, SUB):
-                offs = tile * BLOCK + sub + tl.arange(0, SUB)
-                y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
-                eq = (k == key) & alive & (offs < V)
-                run = seen + tl.cumsum(eq.to(tl.int32), axis=0)
-                hit = tl.min(tl.where(eq & (run == n), offs, INT_MAX), axis=0)
-                found = tl.where(found == INT_MAX, hit, found)
-                seen += tl.sum(eq.to(tl.int32), axis=0)
+            offs = tile * BLOCK + tl.arange(0, BLOCK)  # (a whole tile per load: one
+            y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)  # wait)
+            eq = (k == key) & alive & (offs < V)
+            run = seen + tl.cumsum(eq.to(tl.int32), axis=0)
+            hit = tl.min(tl.where(eq & (run == n), offs, INT_MAX), axis=0)
+            found = tl.where(found == INT_MAX, hit, found)
+            seen += tl.sum(eq.to(tl.int32), axis=0)
     return found
 
 
@@ -314,6 +320,137 @@ def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, tof
 
 
 @triton.jit
+def _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi_key, floor, cut_key, cut_i,
+                hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """(Counts [NB] int32 of the survivors of (cut_key, cut_i) by exact key, bin b counting
+    key ``hi_key - b`` for keys in [max(floor, hi_key - NB + 1), hi_key]; the largest key of
+    a token in [floor, bottom of the chunk), where the next chunk starts (floor - 1 if none),
+    so that empty key ranges cost nothing). One read of the tiles whose maximum reaches the
+    chunk's bottom, a whole tile per load (a single program is bound by load latency); the
+    counts are atomic adds into the row's scratch ``hist_ptr`` [NB] (tl.histogram with this
+    many bins is far slower on a GPU); a tile wholly below the chunk gives its maximum."""
+    bottom = tl.maximum(floor, hi_key - NB + 1)
+    bins = tl.arange(0, NB)
+    tl.debug_barrier()  # (every thread done reading the previous chunk's counts)
+    tl.store(hist_ptr + bins, tl.zeros([NB], tl.int32))
+    tl.debug_barrier()
+    below = (ttop_key < bottom) & (ttop_key >= floor) & (toffs < NT)
+    nxt = tl.max(tl.where(below, ttop_key, floor - 1), axis=0)
+    for tile in range(0, NT):
+        if _pick(ttop_key, toffs, tile) >= bottom:
+            offs = tile * BLOCK + tl.arange(0, BLOCK)
+            y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
+            alive &= offs < V
+            inr = alive & (k >= bottom) & (k <= hi_key)
+            tl.atomic_add(hist_ptr + tl.where(inr, hi_key - k, 0), 1, mask=inr, sem="relaxed")
+            lower = alive & (k < bottom) & (k >= floor)
+            nxt = tl.maximum(nxt, tl.max(tl.where(lower, k, floor - 1), axis=0))
+    tl.debug_barrier()
+    return tl.load(hist_ptr + bins, volatile=True), nxt
+
+
+@triton.jit
+def _bin_mass(h, hi_key, m, t, SHIFT: tl.constexpr):
+    """(float64 mass of each bin of :func:`_chunk_hist`: count x exp((value - m) / t), the
+    mass of one token of each bin). Every token of a bin has the same value, so the masses
+    are the per-token float64 masses summed, with one exponential per key, not per token."""
+    b = tl.arange(0, NB)
+    v = _value(hi_key - b, SHIFT).to(tl.float64)
+    e = tl.exp((v - m.to(tl.float64)) / t.to(tl.float64))
+    e = tl.where(h > 0, e, 0.0)  # (keys past the dtype's range: no token, maybe no value)
+    return h.to(tl.float64) * e, e
+
+
+@triton.jit
+def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs, NT, c_key,
+              lo, tail, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts, and
+    whether it was found (else the serial search runs: the tokens from the row's maximum down
+    to the bound hold more than NCH chunks of NB distinct keys, or rounding put top_p's bound
+    L above the cut).
+
+    top_k: chunks of NB keys from the row's maximum down (skipping keys no token has) until
+    the count reaches k; the k-th survivor's key, and among its ties the id that keeps
+    exactly k (``_nth_tie``). top_p, over the survivors so far: each chunk's float64 mass
+    (count x the key's mass; plus ``tail``, the gather pass's mass below L, when no top_k
+    comes first), then the last key whose mass before it is below top_p x total, and the
+    ties kept (``_ties_kept``). A few reads of the row, where the serial search makes tens."""
+    top = _key(m, SHIFT)
+    b = tl.arange(0, NB)
+    q = tl.arange(0, NCH)
+    cut_key = c_key
+    cut_i = INT_MAX + 0 * NT
+    ok = tl.full((), True, tl.int1)
+    if k_on:
+        floor = c_key
+        if top_k <= NT:  # the k-th largest tile maximum: at least k tokens reach it
+            srt = tl.sort(ttop_key, descending=True)
+            floor = tl.maximum(floor, _pick(srt, toffs, top_k - 1))
+        seen = 0
+        j = 0
+        hi = top
+        kk = c_key
+        need = 0
+        while (need == 0) & (j < NCH) & (hi >= floor):
+            h, nxt = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi, floor, c_key,
+                                 INT_MAX + 0 * NT, hist_ptr, SHIFT, BLOCK)
+            run = seen + tl.cumsum(h, axis=0)
+            bk = tl.min(tl.where(run >= top_k, b, NB), axis=0)
+            if bk < NB:
+                kk = hi - bk
+                need = (top_k - (_pick(run, b, bk) - _pick(h, b, bk))).to(tl.int32)
+            seen += tl.sum(h, axis=0)
+            hi = nxt
+            j += 1
+        if need > 0:
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, kk, need, c_key,
+                             INT_MAX + 0 * NT, SHIFT, BLOCK)
+            cut_key = kk
+        else:  # fewer than k survivors (no cut) only if every key down to the floor was seen
+            ok = hi < floor
+    if p_on & ok:
+        floor = cut_key
+        if not k_on:
+            floor = tl.maximum(lo, c_key)
+        cm = tl.zeros([NCH], tl.float64)  # each chunk's mass
+        his = tl.zeros([NCH], tl.int64)  # each chunk's top key
+        h_last = tl.zeros([NB], tl.int32)
+        j = 0
+        hi = top
+        while (j < NCH) & (hi >= floor):
+            h_last, nxt = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi, floor,
+                                      cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
+            mass, _e = _bin_mass(h_last, hi, m, t, SHIFT)
+            cm = tl.where(q == j, tl.sum(mass, axis=0), cm)
+            his = tl.where(q == j, hi, his)
+            hi = nxt
+            j += 1
+        total = tl.sum(cm, axis=0)
+        if not k_on:
+            total += tail
+        goal = top_p * total
+        before = tl.cumsum(cm, axis=0) - cm  # float64 mass of the chunks above each
+        jc = tl.max(tl.where((cm > 0) & (before < goal), q, -1), axis=0)
+        # every key down to the floor seen, and the cut above it (rounding of L: _bounds)
+        ok = (hi < floor) & (jc >= 0) & (tl.sum(cm, axis=0) >= goal)
+        if ok:
+            h = h_last
+            hc = _pick(his, q, jc)
+            if jc != j - 1:
+                h, _n = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hc, floor,
+                                    cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
+            mass, e = _bin_mass(h, hc, m, t, SHIFT)
+            m_before = _pick(before, q, jc) + tl.cumsum(mass, axis=0) - mass
+            bp = tl.max(tl.where((h > 0) & (m_before < goal), b, -1), axis=0)
+            pk = hc - bp
+            n = _ties_kept(_pick(m_before, b, bp), _pick(e, b, bp), goal, _pick(h, b, bp))
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, pk, n, cut_key, cut_i,
+                             SHIFT, BLOCK)
+            cut_key = pk
+    return cut_key, cut_i, ok
+
+
+@triton.jit
 def _ties_kept(mass_gt, e, goal, n_tie):
     """How many of ``n_tie`` tokens of mass ``e`` each (after ``mass_gt``) top_p keeps: tie j
     (0-based) is kept iff mass_gt + j e < goal; at least 1 (the boundary token)."""
@@ -330,7 +467,7 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                   NT, SG, cand_ptr, count_ptr, tail_ptr, cut_v_ptr, cut_i_ptr, serial_ptr,
-                  CAP: tl.constexpr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
+                  hist_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
     row's sorted candidates (or the serial search when they overflowed ``CAP``). Rows that are
@@ -378,10 +515,23 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                 cut_key = tl.sum(tl.where(last, keys, 0), axis=0)
                 cut_i = tl.sum(tl.where(last, ids, 0), axis=0)
             if serial:
-                tl.atomic_add(serial_ptr, 1)
-                cut_key, cut_i = _serial_cut(x_ptr, r.to(tl.int64) * stride, V, m, t, top_k,
-                                             top_p, k_on, p_on, ttop_key, toffs, NT, lowest,
-                                             c_key, tilemax_ptr, tilesum_ptr, r, SHIFT, BLOCK)
+                found = False
+                if SHIFT > 0:  # (float32 values are nearly all distinct: a key per token)
+                    toff = tl.arange(0, S_G_MAX)
+                    tail = tl.sum(tl.load(tail_ptr + r.to(tl.int64) * SG + toff,
+                                          mask=toff < SG, other=0.0), axis=0)
+                    cut_key, cut_i, found = _hist_cut(
+                        x_ptr, r.to(tl.int64) * stride, V, m, t, top_k, top_p, k_on, p_on,
+                        ttop_key, toffs, NT, c_key, lo, tail, hist_ptr + r.to(tl.int64) * NB,
+                        SHIFT, BLOCK)
+                if found:
+                    tl.atomic_add(serial_ptr + 1, 1)
+                else:
+                    tl.atomic_add(serial_ptr, 1)
+                    cut_key, cut_i = _serial_cut(x_ptr, r.to(tl.int64) * stride, V, m, t,
+                                                 top_k, top_p, k_on, p_on, ttop_key, toffs, NT,
+                                                 lowest, c_key, tilemax_ptr, tilesum_ptr, r,
+                                                 SHIFT, BLOCK)
     tl.store(cut_v_ptr + r, _value(cut_key, SHIFT))
     tl.store(cut_i_ptr + r, cut_i)
 
