@@ -258,3 +258,19 @@ def test_ctrl_c_keeps_what_was_generated(target_model):
     assert 0 < stats.sampler_s <= stats.decode_s
     assert stats.to_dict()["sampler_share"] == stats.sampler_s / stats.decode_s
     assert out.stats.emitted == len(seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_logits_reach_the_sampler_in_the_model_dtype(dtype):
+    # No float32 copy of every row: bf16 / fp16 / float32 models hand over their own logits
+    # (the Triton kernels read them as they are); float64 ones are cast to float32, the
+    # widest dtype the sampler takes.
+    from specsample.engine.cache import ModelCache
+
+    model = tiny_llama(dtype=dtype)
+    cache = ModelCache(model)
+    rows = cache.forward([1, 2, 3])
+    tree = cache.forward_tree([4, 5], [-1, 0], tree_start=3)
+    want = torch.float32 if dtype == torch.float64 else dtype
+    assert rows.dtype == want and tree.dtype == want
+    assert rows.shape == (3, model.config.vocab_size)

@@ -97,8 +97,9 @@ class ModelCache:
             logits_to_keep: return only the last that many rows (None: all).
 
         Returns:
-            float32 logits ``[rows, V]`` for the last ``rows`` fed positions (row r scores the
-            token that follows the r-th of them).
+            logits ``[rows, V]`` in the model's dtype (float32 for a float64 model) for the
+            last ``rows`` fed positions (row r scores the token that follows the r-th of
+            them).
         """
         if len(token_ids) == 0:
             raise ValueError("forward needs at least one token")
@@ -112,7 +113,7 @@ class ModelCache:
         # The DynamicCache is updated in place.
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
         self.token_ids.extend(int(t) for t in token_ids)
-        return out.logits[0].float()
+        return _sampler_logits(out.logits[0])
 
     def _attention_mask(self, visible: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The additive 4D mask ``[1, 1, q, kv]`` (0 where ``visible`` [q, kv] bool is True,
@@ -148,7 +149,8 @@ class ModelCache:
                 ``tree_start``).
 
         Returns:
-            float32 logits ``[len(token_ids), V]``: row r scores the token after new entry r.
+            logits ``[len(token_ids), V]`` (dtype as :meth:`forward`): row r scores the
+            token after new entry r.
 
         Raises:
             ValueError: empty or mismatched lists, a parent out of range, a cache that does
@@ -194,7 +196,7 @@ class ModelCache:
         if len(self.token_ids) != _cached_length(self.cache):
             raise RuntimeError("forward_tree: the model did not append one cache entry per "
                                "fed token")
-        return out.logits[0].float()
+        return _sampler_logits(out.logits[0])
 
     @torch.inference_mode()
     def keep_tree_path(self, entries: Sequence[int]) -> None:
@@ -255,3 +257,12 @@ def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _cached_length(cache: Any) -> int:
     return int(cache.get_seq_length())
+
+
+def _sampler_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The model's logits as the sampler takes them: its own bf16 / fp16 / float32 rows, no
+    float32 copy (the Triton kernels read them as they are); float64 (a CPU model kept in
+    float64 for reproducible forwards) cast to float32, which the sampler takes at most."""
+    if logits.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return logits
+    return logits.float()

@@ -351,7 +351,7 @@ class SpeculativeEngine:
         rows = []
         for req, draft in zip(active, drafts, strict=True):
             fed = [req.tokens[-1], *draft.token_ids]
-            rows.append(req.cache.forward(fed))  # [k_i + 1, V] float32
+            rows.append(req.cache.forward(fed))  # [k_i + 1, V], the model's dtype
         target_logits = torch.cat(rows, dim=0)
         positions = torch.tensor([len(r.prompt) + len(r.generated) for r in active],
                                  dtype=torch.int64, device=target_logits.device)
