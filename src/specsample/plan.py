@@ -194,6 +194,9 @@ def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
     if isinstance(num_draft_tokens, torch.Tensor):
         _check_num_draft_tensor(num_draft_tokens, n)
         values = [int(v) for v in num_draft_tokens.tolist()]  # a device tensor: one sync
+    elif type(num_draft_tokens) in (list, tuple) and all(
+            type(v) is int for v in num_draft_tokens):
+        values = num_draft_tokens  # (the usual host list of ints: no per-item conversion)
     else:
         try:
             values = list(num_draft_tokens)
@@ -206,8 +209,8 @@ def _num_draft_tuple(num_draft_tokens, n: int) -> tuple[int, ...]:
             values[idx] = operator.index(v)  # numpy integers too
     if len(values) != n:
         raise ValueError(f"num_draft_tokens has {len(values)} entries for {n} requests")
-    if any(v < 0 for v in values):
-        raise ValueError(f"num_draft_tokens must be >= 0, got {values}")
+    if values and min(values) < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {list(values)}")
     return tuple(values)
 
 

@@ -45,6 +45,7 @@ from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
 from . import filters, kernels
 from . import logprobs as logprobs_kernels
+from .launch import launch
 
 S_MAX = 128  # most vocabulary splits of one row
 # Mantissa bits that are zero in every float32 value converted from the logits' dtype: the
@@ -101,7 +102,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
     part_f = torch.empty(rows, s, dtype=torch.int32, device=dev)
     tiles = _planes(3, (rows if write_tiles else 1, nt), torch.float32, dev)
     if rows:
-        kernels.stats_kernel[(rows, s)](
+        launch(kernels.stats_kernel)[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
             live_extra, temp,
             part_m, part_s, part_f, tiles[0], tiles[1], tiles[2], s, cps, nt,
@@ -192,14 +193,15 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
                 *parts, s, tiles[0], tiles[1], tiles[2], nt)
     meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
                 S_MAX=S_MAX, BLOCK=BLOCK)
-    filters.gather_kernel[(rows, sg)](*row_args, tps, cand, count, tail, **meta,
-                                      num_warps=warps)
+    launch(filters.gather_kernel)[(rows, sg)](*row_args, tps, cand, count, tail, **meta,
+                                              num_warps=warps)
     hist = torch.empty(rows, filters.NB.value, dtype=torch.int32, device=dev)  # (scratch)
-    filters.select_kernel[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
-                                   _filter_counters(dev), hist, **meta, num_warps=warps)
-    filters.rewrite_kernel[(rows, sg)](x, x.stride(0), plan.vocab_size, tiles[0], tiles[1],
-                                       tiles[2], nt, tps, temp, plan.row_req, cut_v, cut_i,
-                                       BLOCK=BLOCK, num_warps=warps)
+    launch(filters.select_kernel)[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
+                                           _filter_counters(dev), hist, **meta,
+                                           num_warps=warps)
+    launch(filters.rewrite_kernel)[(rows, sg)](
+        x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tps, temp,
+        plan.row_req, cut_v, cut_i, BLOCK=BLOCK, num_warps=warps)
     return cut_v, cut_i
 
 
@@ -235,7 +237,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
         ranking = (torch.empty(rows, npad, dtype=torch.int64, device=dev),
                    torch.empty(rows, dtype=torch.int32, device=dev))
     if rows:
-        kernels.sample_kernel[(rows,)](
+        launch(kernels.sample_kernel)[(rows,)](
             x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
             plan.draft_start, plan.k_given, temp, batch.temperature,
             batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
@@ -350,7 +352,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     sb = 1
 
     def finish(rho_only: bool):
-        kernels.finish_kernel[(n,)](
+        launch(kernels.finish_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
             y, stats, tiles[0], tiles[1], nt,
@@ -369,7 +371,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         sb, bcps, _ = _splits(n_drafts, plan.vocab_size, 1, dev)
         bmass = torch.empty(n_drafts, sb, dtype=torch.float32, device=dev)
         finish(rho_only=True)
-        kernels.block_mass_kernel[(n_drafts, sb)](
+        launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, plan.draft_req, plan.draft_j, draft, dstride, dv, dpart_m,
             dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
@@ -379,12 +381,12 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     if plan.has_draft_dist:
         mass = torch.empty(n, nt, dtype=torch.float32, device=dev)
         rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
-        kernels.residual_mass_kernel[(n, rs)](
+        launch(kernels.residual_mass_kernel)[(n, rs)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
             res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
             FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
-        kernels.residual_draw_kernel[(n,)](
+        launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
             dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .. import rng
 from ..plan import Plan
+from .launch import launch
 
 BLOCK_TILE = rng.TILE
 NPAD = 32  # most top-n logprobs per request on this path (more take the PyTorch path)
@@ -339,11 +340,11 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     g = min(n_max, max(1, math.ceil(programs / p)))
     q = max(g, s if need_full else 0)
     if q > 0:
-        topn_partial_kernel[(p, q)](
+        launch(topn_partial_kernel)[(p, q)](
             raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, rank, count, pm, ps,
             cand, s, cps, max(g, 1), int(filtered), GENERAL=general, NPAD=NPAD, CAND=CAND,
             BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1)
-    logprob_merge_kernel[(p,)](
+    launch(logprob_merge_kernel)[(p,)](
         raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, stats, token_ids, pm, ps,
         cand, count, s, out_v, out_i, n_max + 1, int(filtered), GENERAL=general,
         NPAD=NPAD, CAND=CAND, CAND_PAD=triton.next_power_of_2(CAND), SMALL=2 * NPAD, S_MAX=S_MAX,
