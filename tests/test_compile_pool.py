@@ -343,3 +343,25 @@ def test_the_workers_build_the_launchers_too(tmp_path, monkeypatch):
     assert out["launchers"] == 1, out
     assert out["needs_build"] == [False, False]
     assert out["other_needs_build"] is True
+
+
+def test_collect_sets_the_direct_launchers_cache_aside():
+    # The direct launcher (triton_backend.launch) launches a specialisation it has seen
+    # without asking Triton, so without collect's hook: collect must empty its cache while
+    # the calls run (else kernels would really launch and read unwritten buffers) and put it
+    # back afterwards.
+    pytest.importorskip("specsample.triton_backend")
+    import importlib
+
+    from specsample.triton_backend import compile_pool
+
+    compiled = importlib.import_module("specsample.triton_backend.launch")._COMPILED
+    sentinel = ("not a kernel",)
+    compiled[sentinel] = "compiled"
+    seen = []
+    try:
+        compile_pool.collect(lambda: seen.append(dict(compiled)))
+        assert seen == [{}]
+        assert compiled[sentinel] == "compiled"
+    finally:
+        compiled.pop(sentinel, None)

@@ -155,9 +155,9 @@ def _read_counter(device, slot: int, name: str) -> int:
 def filter_serial_rows(device="cuda") -> int:
     """How many filtered rows took the filter kernels' serial search since the process started
     on ``device`` (rows with more than FILTER_CAP candidates, 512 on CUDA, that the histogram
-    search cannot serve: float32 logits, or keys from the row's maximum down to the cut's
-    bound spanning more than 65,536 bf16 / fp16 keys). Reading it synchronises with the
-    device.
+    search cannot serve: float32 logits; bf16 / fp16 rows whose tokens from the maximum down
+    to the cut's bound need more than 16 chunks of 4,096 keys, key ranges that no token has
+    being skipped; or rounding of top_p's bound). Reading it synchronises with the device.
 
     Raises ValueError for a CUDA device when CUDA is not available (on CPU tensors the
     kernels run in Triton's interpreter: pass ``device="cpu"``)."""

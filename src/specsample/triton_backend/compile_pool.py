@@ -51,6 +51,8 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 
+from .launch import _COMPILED
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -145,8 +147,9 @@ def settle_cache_keys() -> int:
 
 def collect(calls: Callable[[], object]) -> list[Variant]:
     """Run ``calls()`` with no specsample kernel launched and return the variants the launches
-    would have compiled, each once (already compiled ones too: their in-process caches are
-    set aside meanwhile, so that no kernel reads another's unwritten output). The outputs of
+    would have compiled, each once (already compiled ones too: their in-process caches, and
+    ``launch._COMPILED``, are set aside meanwhile, so that no kernel reads another's
+    unwritten output). The outputs of
     the calls are garbage. Launches of other threads meanwhile run as usual (they may load
     or compile variants the cleared caches held); one collect runs at a time."""
     seen: dict[tuple, Variant] = {}
@@ -163,7 +166,10 @@ def collect(calls: Callable[[], object]) -> list[Variant]:
                             Variant(fn.module, fn.name, compile["specialization_data"]))
             return True  # skip the compile and the launch
 
+        # Triton's per-kernel caches, and the direct launcher's (which would launch a known
+        # specialisation without asking Triton, so without the hook)
         caches = [entry[0] for k in _package_kernels() for entry in k.device_caches.values()]
+        caches.append(_COMPILED)
         saved = [dict(c) for c in caches]
         knobs.runtime.jit_cache_hook = hook
         try:

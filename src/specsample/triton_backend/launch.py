@@ -11,7 +11,8 @@ dict keyed by its result, then calls the launcher directly; the first launch of 
 specialisation, and every launch in Triton's interpreter, go through ``kernel[grid]`` itself
 (compilation, the compile guard's hooks, the cache). What it skips: the string key and the
 check that the globals a kernel reads have not changed since it compiled (ours are module
-constants that nothing reassigns).
+constants that nothing reassigns). ``compile_pool.collect`` sets ``_COMPILED`` aside while it
+lists variants, so that every launch then reaches its hook.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class _Launch:
         device = driver.active.get_current_device()
         binder = kernel.device_caches[device][4]
         bound, specialization, options = binder(*args, **meta)
+        # (the meta values' types too: True == 1 == 1.0, but Triton keys them apart)
         key = (kernel, device, tuple(specialization), tuple(options.items()),
-               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+               tuple(map(type, meta.values())), knobs.runtime.debug,
+               knobs.compilation.instrumentation_mode)
         compiled = _COMPILED.get(key)
         if compiled is None:
             compiled = kernel[grid](*args, **meta)  # compiles if needed, and launches
