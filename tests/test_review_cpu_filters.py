@@ -357,3 +357,46 @@ def test_rows_nobody_reads_take_no_candidate_search():
     assert torch.isinf(cut_v[dead]).all() and (cut_i[dead] == v).all()
     assert torch.isfinite(cut_v[~dead]).all()
     assert (z[dead] == 0).all()  # (y - max) / T of a zeroed row with its own max, 0
+
+
+def _nucleus_by_sort(x: torch.Tensor, t: float, top_p: float) -> tuple[float, int]:
+    """The top_p cut (value, id of the last kept token) by a full stable sort in float64."""
+    vals, order = torch.sort(x, descending=True, stable=True)
+    fin = vals > -math.inf
+    e = torch.where(fin, torch.exp((vals.double() - vals[0].double()) / t), 0.0)
+    keep = ((torch.cumsum(e, 0) - e) < top_p * e.sum()) & fin
+    n = max(int(keep.sum()), 1)
+    return float(vals[n - 1]), int(order[n - 1])
+
+
+@pytest.mark.parametrize("case", ["flat", "bf16_ties", "signed_zeros", "neg_inf", "wide"])
+def test_nucleus_by_histogram_matches_a_full_sort(case):
+    # The wide-nucleus path of the CPU filters (processing._nucleus_by_histogram): masses
+    # summed per coarse value bin, then the edge bin ranked exactly. Its cut must be the one
+    # of a full stable sort: flat rows, bf16-valued float32 rows (thousands of exact ties in
+    # one bin), -0.0 and +0.0 (one value: the lower id first), -inf (dropped) entries, and
+    # values over many binades.
+    g = torch.Generator().manual_seed(11)
+    v = 6000
+    if case == "flat":
+        x = torch.randn(4, v, generator=g) * 0.05
+    elif case == "bf16_ties":
+        x = torch.randn(4, v, generator=g).to(torch.bfloat16).float()
+    elif case == "signed_zeros":
+        x = torch.randint(-1, 2, (4, v), generator=g).float() * 0.5
+        x[:, ::3] = -0.0
+        x[:, 1::3] = 0.0
+    elif case == "neg_inf":
+        x = torch.randn(4, v, generator=g)
+        x[torch.rand(4, v, generator=g) < 0.7] = -math.inf
+    else:
+        x = torch.randn(4, v, generator=g) * torch.logspace(-30, 3, v)[torch.randperm(v,
+                                                                                generator=g)]
+    for t, top_p in ((1.0, 0.9), (0.7, 0.5), (3.0, 0.999), (1.0, 1e-9)):
+        m = x.amax(-1)
+        cut_v, cut_i = processing._nucleus_by_histogram(
+            x, m, torch.full((4,), t, dtype=torch.float64),
+            torch.full((4,), top_p, dtype=torch.float64))
+        for r in range(4):
+            want_v, want_i = _nucleus_by_sort(x[r], t, top_p)
+            assert (float(cut_v[r]), int(cut_i[r])) == (want_v, want_i), (case, t, top_p, r)

@@ -829,6 +829,8 @@ CPU_CASES = (
     ("greedy", 1, 49152, False, {"temperature": 0.0}, 3.0),
     ("T0.8", 1, 49152, False, {"temperature": 0.8}, 3.0),
     ("T0.8 top_p0.9", 1, 49152, False, {"temperature": 0.8, "top_p": 0.9}, 5.0),
+    # near-uniform rows (a random-weight model's; a nucleus of 40,000 tokens)
+    ("T0.8 top_p0.9 flat", 1, 49152, False, {"temperature": 0.8, "top_p": 0.9}, 5.0, "flat"),
     ("T0.8 top_k50", 1, 49152, False, {"temperature": 0.8, "top_k": 50}, 5.0),
     ("T0.8 min_p0.1", 1, 49152, False, {"temperature": 0.8, "min_p": 0.1}, 5.0),
     ("T0.8 repetition1.1", 1, 49152, False,
@@ -843,16 +845,20 @@ CPU_SAMPLE_LIMIT_MS = 0.3
 def cpu_check(repeats: int, *, k: int = 4, cases=CPU_CASES) -> list[dict]:
     """The CPU check: verify() (float32 logits, one-hot drafts, seeded) or sample() for each
     case of ``cases`` against one ``torch.softmax`` over the same rows ([B (K + 1), V], or
-    [B, V] for sample()); medians of ``repeats`` runs after one warm-up each. Requests carry
+    [B, V] for sample(); Zipf-like rows, or near-uniform ones where a case ends with "flat");
+    medians of ``repeats`` runs after one warm-up each. Requests carry
     one prompt and two output tokens (for the penalties)."""
     cpu = torch.device("cpu")
     kw = {"warmup_ms": 0, "rep_ms": 0, "cpu_repeats": repeats}
     rows_out = []
-    for label, n, vocab, is_sample, options, limit in cases:
+    for label, n, vocab, is_sample, options, limit, *rows in cases:
         kk = 0 if is_sample else k
         gen = torch.Generator().manual_seed(0)
-        logits = zipf_logits(n * (kk + 1), vocab, dtype=torch.float32, device=cpu,
-                             generator=gen)
+        if rows == ["flat"]:  # N(0, 0.05^2): near-uniform
+            logits = 0.05 * torch.randn(n * (kk + 1), vocab, generator=gen)
+        else:
+            logits = zipf_logits(n * (kk + 1), vocab, dtype=torch.float32, device=cpu,
+                                 generator=gen)
         params = [SamplingParams(seed=1000 + i, **options) for i in range(n)]
         batch = SamplingBatch.from_params(params, vocab_size=vocab,
                                           prompt_token_ids=[[1, 2, 3]] * n,

@@ -321,7 +321,9 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     softmax(z) is at most log V) plus ``15 * 2**-24`` (blocks of 16 summed in float32), far
     inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at both ends of that bound
     the decision is the exact one, else the total is recomputed in float64 from every
-    survivor.
+    survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
+    tokens, where each round's top-k and sorts cost more than one pass over the row) the
+    cut comes from :func:`_nucleus_by_histogram`.
     """
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
@@ -351,6 +353,8 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
         found = (n_keep < c) & (last_v > cand_v[:, -1:])
         if c == v or bool(found.all()):
             break
+        if 4 * c > NUCLEUS_CANDIDATES_MAX:  # a wide nucleus: the histogram of the row instead
+            return _nucleus_by_histogram(masked, m, t64, top_p)
         c = min(v, 4 * c)
     last_i = cand_i.gather(1, n_keep - 1)
     # No token of last_v's value ranks after the boundary: the threshold y >= last_v.
@@ -358,6 +362,57 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     if c == 1:
         alone = torch.ones_like(alone)
     return last_v[:, 0], torch.where(alone, v, last_i)[:, 0]
+
+
+#: Most candidates :func:`_nucleus` ranks before it takes the histogram of the row.
+NUCLEUS_CANDIDATES_MAX = 256
+_COARSE_SHIFT = 20  # coarse bins: a float32 key's top 12 bits (values within 2**(1/8))
+_COARSE_BINS = 1 << (32 - _COARSE_SHIFT)
+
+
+def _nucleus_by_histogram(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor,
+                          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_p cut of :func:`_nucleus` (same arguments, same rule) from one pass over the
+    rows: every survivor's float64 mass ``exp((y - m) / T)`` summed per coarse bin (the top 12
+    bits of the float32 value's order-preserving key, so the bins are ranges of values in
+    rank order: ``torch.bincount`` with weights, in index order), the bin where the mass
+    before it stops being below top_p x total, then its tokens ranked exactly (value, then
+    lower id) with their own masses. Returns (cut_v [R] float32, cut_i [R] int64: the last
+    kept token's value and id)."""
+    r, v = masked.shape
+    dev = masked.device
+    nb = _COARSE_BINS
+    live = masked > -math.inf
+    e = torch.exp((masked.double() - m.double()[:, None]) / t64[:, None])
+    bits = (masked + 0.0).view(torch.int32)  # (+ 0.0: -0.0 ranks as +0.0)
+    # bin 0 holds the largest values; dropped tokens go to an extra bin nb, not read
+    rank_bin = (nb // 2 - 1) - ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> _COARSE_SHIFT)
+    rank_bin = torch.where(live, rank_bin, nb)
+    flat = (rank_bin + torch.arange(0, r * (nb + 1), nb + 1, device=dev,
+                                    dtype=torch.int32)[:, None]).view(-1)
+    mass = torch.bincount(flat, weights=e.view(-1), minlength=r * (nb + 1)).view(r, nb + 1)
+    count = torch.bincount(flat, minlength=r * (nb + 1)).view(r, nb + 1)
+    mass, count = mass[:, :nb], count[:, :nb]
+    before = mass.cumsum(-1) - mass  # mass ranked before each bin (bins in rank order)
+    goal = top_p * mass.sum(-1)
+    slot = torch.arange(nb, device=dev)
+    edge = torch.where((count > 0) & (before < goal[:, None]), slot, -1).amax(-1)
+    # the edge bin's tokens, in rank order (value descending, then id), per row
+    in_edge = rank_bin == edge[:, None]
+    row, col = in_edge.nonzero(as_tuple=True)  # (row, then id order)
+    vals = masked[row, col]
+    order = torch.sort(vals, descending=True, stable=True).indices
+    order = order[torch.sort(row[order], stable=True).indices]
+    row, col, vals = row[order], col[order], vals[order]
+    tok_e = e[row, col]
+    run = tok_e.cumsum(0)
+    n_in = torch.bincount(row, minlength=r)
+    start = n_in.cumsum(0) - n_in
+    base = torch.where(start > 0, run[(start - 1).clamp_min(0)], 0.0)
+    tok_before = before.gather(1, edge[:, None])[:, 0][row] + (run - tok_e - base[row])
+    n_keep = torch.bincount(row[tok_before < goal[row]], minlength=r).clamp_min(1)
+    last = start + n_keep - 1
+    return vals[last], col[last]
 
 
 def block_total(e: torch.Tensor) -> torch.Tensor:
