@@ -323,7 +323,7 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     the decision is the exact one, else the total is recomputed in float64 from every
     survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
     tokens, where each round's top-k and sorts cost more than one pass over the row) the
-    cut comes from :func:`_nucleus_by_histogram`.
+    cut comes from :func:`_nucleus_by_histogram` on CPU tensors.
     """
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
@@ -353,7 +353,9 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
         found = (n_keep < c) & (last_v > cand_v[:, -1:])
         if c == v or bool(found.all()):
             break
-        if 4 * c > NUCLEUS_CANDIDATES_MAX:  # a wide nucleus: the histogram of the row instead
+        if 4 * c > NUCLEUS_CANDIDATES_MAX and masked.device.type == "cpu":
+            # a wide nucleus: the histogram of the row instead (on CPU only: CUDA's bincount
+            # adds float64 weights by atomics, in no fixed order)
             return _nucleus_by_histogram(masked, m, t64, top_p)
         c = min(v, 4 * c)
     last_i = cand_i.gather(1, n_keep - 1)
