@@ -918,7 +918,8 @@ def _option_list(text: str) -> list[str]:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``specsample bench`` / ``python -m specsample.bench``."""
     p.add_argument("--out", default="bench_out", metavar="DIR",
-                   help="directory for bench.json and bench.png (default: bench_out)")
+                   help="directory for bench.json and bench.png, or cpu_check.json with "
+                   "--cpu-check (default: bench_out)")
     p.add_argument("--device", default=None,
                    help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B,B,...",
