@@ -364,7 +364,8 @@ def _bin_mass(h, hi_key, m, t, SHIFT: tl.constexpr):
 @triton.jit
 def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs, NT, c_key,
               lo, tail, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts, and
+    """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts (``lo``
+    and ``c_key`` from :func:`_bounds`, ``tail`` from :func:`_tail_mass`), and
     whether it was found (else the serial search runs: the tokens from the row's maximum down
     to the bound hold more than NCH chunks of NB distinct keys, or rounding put top_p's bound
     L above the cut).
@@ -382,10 +383,7 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
     cut_i = INT_MAX + 0 * NT
     ok = tl.full((), True, tl.int1)
     if k_on:
-        floor = c_key
-        if top_k <= NT:  # the k-th largest tile maximum: at least k tokens reach it
-            srt = tl.sort(ttop_key, descending=True)
-            floor = tl.maximum(floor, _pick(srt, toffs, top_k - 1))
+        floor = lo  # (_bounds: the k-th largest tile maximum, at least k tokens reach it)
         seen = 0
         j = 0
         hi = top
@@ -411,7 +409,7 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
     if p_on & ok:
         floor = cut_key
         if not k_on:
-            floor = tl.maximum(lo, c_key)
+            floor = lo  # (_bounds: top_p's bound, at or above min_p's cut)
         cm = tl.zeros([NCH], tl.float64)  # each chunk's mass
         his = tl.zeros([NCH], tl.int64)  # each chunk's top key
         h_last = tl.zeros([NB], tl.int32)
@@ -448,6 +446,15 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
                              SHIFT, BLOCK)
             cut_key = pk
     return cut_key, cut_i, ok
+
+
+@triton.jit
+def _tail_mass(tail_ptr, r, SG):
+    """Row ``r``'s float64 mass below the candidates' bound L, summed over the gather pass's
+    SG splits (``gather_kernel``'s ``tail``)."""
+    toff = tl.arange(0, S_G_MAX)
+    return tl.sum(tl.load(tail_ptr + r.to(tl.int64) * SG + toff, mask=toff < SG, other=0.0),
+                  axis=0)
 
 
 @triton.jit
@@ -503,9 +510,7 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                     e = tl.where(keep, e, 0.0)
                     total = tl.sum(e, axis=0)
                     if not k_on:
-                        toff = tl.arange(0, S_G_MAX)
-                        total += tl.sum(tl.load(tail_ptr + r.to(tl.int64) * SG + toff,
-                                                mask=toff < SG, other=0.0), axis=0)
+                        total += _tail_mass(tail_ptr, r, SG)
                     before = tl.cumsum(e, axis=0) - e
                     keep &= before < top_p * total
                     n_keep = tl.sum(keep.to(tl.int32), axis=0)
@@ -517,13 +522,10 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
             if serial:
                 found = False
                 if SHIFT > 0:  # (float32 values are nearly all distinct: a key per token)
-                    toff = tl.arange(0, S_G_MAX)
-                    tail = tl.sum(tl.load(tail_ptr + r.to(tl.int64) * SG + toff,
-                                          mask=toff < SG, other=0.0), axis=0)
                     cut_key, cut_i, found = _hist_cut(
                         x_ptr, r.to(tl.int64) * stride, V, m, t, top_k, top_p, k_on, p_on,
-                        ttop_key, toffs, NT, c_key, lo, tail, hist_ptr + r.to(tl.int64) * NB,
-                        SHIFT, BLOCK)
+                        ttop_key, toffs, NT, c_key, lo, _tail_mass(tail_ptr, r, SG),
+                        hist_ptr + r.to(tl.int64) * NB, SHIFT, BLOCK)
                 if found:
                     tl.atomic_add(serial_ptr + 1, 1)
                 else:
