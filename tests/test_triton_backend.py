@@ -354,3 +354,37 @@ def test_compile_guard_watches_every_kernel_of_the_package(monkeypatch):
         triton_backend._post_compile_hook(fn=info, repr=kernel.__name__)
     assert triton_backend.compilations_after_warmup() == [
         "gather_kernel", "block_mass_kernel", "residual_draw_kernel", "_tile_mass_kernel"]
+
+
+def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
+    # warmup() once ran the draft_logits / draft_probs calls for one method and one target
+    # dtype only (a mis-indented block): verify() with draft distributions compiled after
+    # warmup, which a GPU test only showed when run on its own. The calls are recorded here.
+    from specsample import api
+
+    seen = set()
+
+    def verify(target, drafts, k, batch, *, draft_logits=None, draft_probs=None,
+               method="token", max_num_draft_tokens=None, **kw):
+        d = draft_logits if draft_logits is not None else draft_probs
+        kind = "logits" if draft_logits is not None else "probs" if d is not None else "onehot"
+        seen.add((target.dtype, kind, None if d is None else d.dtype, method,
+                  isinstance(k, torch.Tensor), batch.needs_filter, batch.needs_general_path))
+
+    monkeypatch.setattr(api, "verify", verify)
+    monkeypatch.setattr(api, "sample", lambda *a, **kw: None)
+    monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
+    try:
+        triton_backend.warmup("cpu", vocab_size=64, workers=0, on_compile="ignore")
+    finally:
+        triton_backend.disarm_compile_guard()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    for dtype in dtypes:
+        for filt, general in ((False, False), (True, False), (True, True)):
+            for method in ("token", "block"):
+                assert (dtype, "onehot", None, method, False, filt, general) in seen
+                for ddtype in dtypes:
+                    for kind in ("logits", "probs"):
+                        assert (dtype, kind, ddtype, method, False, filt, general) in seen, (
+                            dtype, kind, ddtype, method, filt, general)
+    assert any(device_counts for *_, device_counts, _, _ in seen)

@@ -49,7 +49,7 @@ from test_tree_triton import _case as _tree_case  # noqa: E402
 from test_triton_backend import _case  # noqa: E402
 from test_triton_logprobs import _with_logprobs  # noqa: E402
 
-KERNEL_MODULES = ["kernels", "filters", "logprobs", "tree"]
+KERNEL_MODULES = ["kernels", "filters", "logprobs", "tree", "layout"]
 # constexpr name -> the value the CUDA launcher passes where the interpreted one differs
 GPU_VALUES = {"TPC": triton_backend.TILES_PER_CHUNK, "CAP": triton_backend.FILTER_CAP}
 SRC = Path(specsample.__file__).resolve().parents[1]  # the subprocess compiles this copy
@@ -157,6 +157,15 @@ def _sample(dtype, vocab, cases):
     specsample.sample(logits, batch, positions=torch.arange(len(cases)), strict=False)
 
 
+def _fake_output(n, width, n_lp):
+    lp = None if n_lp is None else torch.zeros(n, width, n_lp)
+    return specsample.VerifyOutput(
+        token_ids=torch.zeros(n, width, dtype=torch.int64),
+        num_accepted=torch.zeros(n, dtype=torch.int64), logprobs=lp,
+        logprob_token_ids=None if lp is None else torch.zeros(n, width, n_lp, dtype=torch.int64),
+        invalid=torch.zeros(n, dtype=torch.bool))
+
+
 def _calls():
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     rp, po = RAW_AND_PROCESSED, PROCESSED_ONLY
@@ -182,6 +191,12 @@ def _calls():
             ("draft_probs", "block", True, bf16, [(0, "processed"), (None, "raw")])]):
         vocab = 2500 if i % 4 == 1 else 300  # two sampling tiles now and then
         yield lambda a=(7 + i, vocab, dtype, kind, method, processors, lps): _verify(*a)
+    layout = importlib.import_module("specsample.triton_backend.layout")
+    yield lambda: layout.device_layout(torch.tensor([1, 0, 2]), 2, 6, 3)
+    for n_lp in (None, 2):
+        yield lambda n_lp=n_lp: layout.mark_layout_errors(_fake_output(3, 3, n_lp),
+                                                          torch.zeros(3, dtype=torch.int64),
+                                                          torch.tensor([0, 256, 0]))
     for mode, kw in [("mixed", {}), ("sampled", dict(top_k=5, min_p=0.05)),
                      ("mixed", GENERAL)]:
         yield lambda m=mode, kw=kw: _verify_tree(

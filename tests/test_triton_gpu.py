@@ -178,6 +178,10 @@ def _warmup_then_no_compilation():
                                                                                   generator=gen)))
                 specsample.verify(logits, d, ks, batch, positions=pos, method=method,
                                   strict=False, **extra)
+                # device draft counts (the layout kernel), a width above every count
+                specsample.verify(logits, d, torch.tensor(ks, device="cuda"), batch,
+                                  positions=pos, method=method, strict=False,
+                                  max_num_draft_tokens=max(ks) + 2, **extra)
         specsample.sample(logits[:5], batch, positions=pos, strict=False)
         general = SamplingBatch.from_params(
             [SamplingParams(temperature=0.5, top_k=3, seed=1)] * 5, vocab_size=vocab,

@@ -117,7 +117,11 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
                      plan.num_rows)
         out, err = torch_backend.verify(plan)
     if plan.layout_err is not None:
-        out, err = _mark_layout_errors(out, err, plan.layout_err)
+        if backend == "triton":
+            from .triton_backend.layout import mark_layout_errors
+            out, err = mark_layout_errors(out, err, plan.layout_err)
+        else:
+            out, err = _mark_layout_errors(out, err, plan.layout_err)
     if n_greedy:
         paths.record("requests.greedy", n_greedy)
     if n_greedy < batch.num_requests:

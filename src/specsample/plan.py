@@ -153,7 +153,8 @@ def _device_layout(k: torch.Tensor, max_k: int, num_rows: int, num_drafts: int
     every k_i were 0; a k_i > ``max_k`` (the output width) flags that request alone, whose
     rows and drafts keep their places but are dead (``k_given`` 0). Every index stays in
     bounds: rows and drafts no request owns map to the last request with j > its k_given.
-    Device ops only (cumsum, searchsorted): capturable in a CUDA graph.
+    Device ops only (cumsum, searchsorted): capturable in a CUDA graph. The Triton backend
+    uses ``triton_backend.layout.device_layout`` instead (the same tensors from one launch).
     """
     n = k.shape[0]
     dev = k.device
@@ -371,8 +372,12 @@ def build_plan(
     pos = _positions(positions, batch, n, device)
     layout_err = None
     if on_device:
-        k = num_draft_tokens.to(device=device, dtype=torch.int64)
-        *layout, layout_err = _device_layout(k, max_k, logits.shape[0], s)
+        k = num_draft_tokens.to(device=device, dtype=torch.int64).contiguous()
+        layout_fn = _device_layout
+        from .api import select_backend
+        if select_backend(device) == "triton":
+            from .triton_backend.layout import device_layout as layout_fn
+        *layout, layout_err = layout_fn(k, max_k, logits.shape[0], s)
     else:
         layout = _layout(num_draft, device)
     row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given = layout

@@ -508,7 +508,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
     and on the general path (float32 processed logits), and sample() with raw and processed
-    logprobs on each of those paths (the logprob kernels), on
+    logprobs on each of those paths (the logprob kernels), and verify() once with a device
+    ``num_draft_tokens`` (the layout kernel), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
@@ -576,6 +577,11 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
                                method=method, strict=False)
                         calls += 2
+                if plist is params and dtype == dtypes[0]:
+                    # a device num_draft_tokens: the layout kernels (``layout.py``)
+                    verify(rows, drafts, torch.tensor(k, device=device), batch, positions=pos,
+                           strict=False, max_num_draft_tokens=max(k))
+                    calls += 1
         return calls
 
     from ..api import select_backend
