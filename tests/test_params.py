@@ -154,3 +154,19 @@ def test_from_params_errors(kwargs, match):
     params = kwargs.pop("params")
     with pytest.raises(ValueError, match=match):
         SamplingBatch.from_params(params, **kwargs)
+
+
+def test_needs_rank_filter_names_top_k_and_top_p_of_sampled_requests():
+    def flags(*params):
+        b = SamplingBatch.from_params(list(params), vocab_size=100)
+        return b.needs_filter, b.needs_rank_filter
+
+    assert flags(SamplingParams(min_p=0.1)) == (True, False)  # min_p's cut needs no search
+    assert flags(SamplingParams(top_k=5)) == (True, True)
+    assert flags(SamplingParams(top_p=0.9), SamplingParams()) == (True, True)
+    assert flags(SamplingParams(top_k=100)) == (False, False)  # k >= V keeps every token
+    assert flags(SamplingParams(temperature=0.0, top_k=5)) == (False, False)  # greedy
+    merged = SamplingBatch.concat([SamplingBatch.from_params([SamplingParams()], vocab_size=100),
+                                   SamplingBatch.from_params([SamplingParams(top_p=0.5)],
+                                                             vocab_size=100)])
+    assert merged.needs_rank_filter and not merged.select([0]).needs_rank_filter

@@ -257,6 +257,8 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
         any_sampled=any(sampled),
         needs_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1 or p.min_p > 0)
                          for s, k, p in zip(sampled, top_k, params)),
+        needs_rank_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1)
+                              for s, k, p in zip(sampled, top_k, params)),
         needs_penalties=any(_penalised(p) for p in params),
         needs_bias=bool(bias_req),
         needs_bans=bool(stop_req or allowed_users or words),
@@ -335,6 +337,7 @@ class SamplingBatch:
     any_greedy: bool = False
     any_sampled: bool = False
     needs_filter: bool = False  # some sampled request uses min_p / top_k / top_p
+    needs_rank_filter: bool = False  # some sampled request uses top_k / top_p
     needs_penalties: bool = False
     needs_bias: bool = False
     needs_bans: bool = False  # some request has allowed_token_ids, bad words or min_tokens left

@@ -5,15 +5,17 @@ Every filter keeps a prefix of the row in rank order (value descending, lower id
 ties), so the survivors of a row are described by one cut: the value ``cut_v`` and id ``cut_i``
 of the last kept token (keep ``y > cut_v``, or ``y == cut_v`` and ``id <= cut_i``). The cut is
 found exactly, with the decisions of docs/semantics.md ("Filters in float32"): min_p's cut in
-float64, top_k by rank, top_p on float64 masses. Three launches after the statistics pass:
+float64, top_k by rank, top_p on float64 masses. Four launches after the statistics pass:
 
-1. ``gather_kernel`` (rows x vocabulary splits): a lower bound L of the cut from the per-tile
+0. ``bounds_kernel`` (one program per row): a lower bound L of the cut from the per-tile
    statistics (the k-th largest tile maximum for top_k; for top_p the largest value v at which
    ``sum_t min(mass_t, n_t exp((v - m) / T))``, an upper bound of the mass below v, fits in
-   the 1 - top_p tail; min_p's own cut), then the candidates (tokens >= L) of the tiles that can
-   hold any, packed as order-preserving (key, id) integers into a per-row buffer of ``CAP``,
-   and the float64 mass below L that top_p's total needs. On LLM rows that is a few tiles and
-   tens to hundreds of candidates.
+   the 1 - top_p tail; min_p's own cut), written once for the row's gather programs. Skipped,
+   with the gather pass, when no request has top_k or top_p (min_p's cut needs neither).
+1. ``gather_kernel`` (rows x splits of a few tiles): the candidates (tokens >= L) of the tiles
+   that can hold any, packed as order-preserving (key, id) integers into a per-row buffer of
+   ``CAP`` (a slot per candidate from its own atomic: no scan, no barrier), and the float64
+   mass below L that top_p's total needs. On LLM rows that is tens to hundreds of candidates.
 2. ``select_kernel`` (one program per row): sorts the row's candidates and reads the cut off
    them (rank for top_k, a float64 cumulative sum for top_p). A row with more than ``CAP``
    candidates (a nucleus of thousands of tokens, top_k above the number of tiles) takes the
@@ -222,48 +224,78 @@ def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tiles
     return ttop_key, toffs, lowest, c_key, lo, read
 
 
-@triton.jit(do_not_specialize=["S", "NT", "TPS"])
-def gather_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+@triton.jit(do_not_specialize=["S", "NT"])
+def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
-                  NT, TPS, cand_ptr, count_ptr, tail_ptr, CAP: tl.constexpr,
-                  NT_PAD: tl.constexpr, SHIFT: tl.constexpr, S_MAX: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Per (row, split of TPS tiles): append the candidates (key >= L) to the row's buffer
-    (``count`` [T] must be zero before) and write the float64 mass of the tokens below L that
-    top_p's total needs (``tail`` [T, splits])."""
+                  NT, bnd_ptr, mt_ptr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
+                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: what ``gather_kernel``'s programs of the row need, computed once
+    (``bnd`` [T, 4] int64: flags (1 gather, 2 top_p's tail is needed, 4 min_p on), L, the
+    lowest key whose tiles are read, min_p's cut key; ``mt`` [T, 2] float32: m, T)."""
     r = tl.program_id(0)
-    s = tl.program_id(1)
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
         r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
         top_k_ptr, top_p_ptr, min_p_ptr, part_m_ptr, part_s_ptr, part_f_ptr, S, S_MAX)
-    tail = tl.zeros((), tl.float64)
+    flags = r * 0
+    lo = _key(tl.full((), -float("inf"), tl.float32), SHIFT)
+    read = lo
+    c_key = lo
     if ok & (k_on | p_on):
-        ttop_key, toffs, lowest, c_key, lo, read = _bounds(
+        _ttop, _toffs, _lowest, c_key, lo, read = _bounds(
             r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
             tiletop_ptr, NT, NT_PAD, SHIFT, BLOCK)
-        need_tail = p_on & ~k_on
+        flags = 1 + tl.where(p_on & ~k_on, 2, 0) + tl.where(min_on, 4, 0)
+    o = r.to(tl.int64) * 4
+    tl.store(bnd_ptr + o, flags.to(tl.int64))
+    tl.store(bnd_ptr + o + 1, lo)
+    tl.store(bnd_ptr + o + 2, read)
+    tl.store(bnd_ptr + o + 3, c_key)
+    tl.store(mt_ptr + r.to(tl.int64) * 2, m)
+    tl.store(mt_ptr + r.to(tl.int64) * 2 + 1, t)
+
+
+@triton.jit(do_not_specialize=["NT", "TPS"])
+def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, bnd_ptr,
+                  mt_ptr, cand_ptr, count_ptr, tail_ptr, CAP: tl.constexpr,
+                  SHIFT: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """Per (row, split of TPS tiles), with the row's bounds from ``bounds_kernel``: append the
+    candidates (key >= L) to the row's buffer (``count`` [T] must be zero before) and write
+    the float64 mass of the tokens below L that top_p's total needs (``tail`` [T, splits])."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    o = r.to(tl.int64) * 4
+    flags = tl.load(bnd_ptr + o)
+    tail = tl.zeros((), tl.float64)
+    if (flags & 1) != 0:
+        lo = tl.load(bnd_ptr + o + 1)
+        read = tl.load(bnd_ptr + o + 2)
+        c_key = tl.load(bnd_ptr + o + 3)
+        m = tl.load(mt_ptr + r.to(tl.int64) * 2)
+        t = tl.load(mt_ptr + r.to(tl.int64) * 2 + 1)
+        need_tail = (flags & 2) != 0
+        min_on = (flags & 4) != 0
+        lowest = _key(tl.full((), -float("inf"), tl.float32), SHIFT) + 1
         row_off = r.to(tl.int64) * stride
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
-            tk = _pick(ttop_key, toffs, tile)
+            o_t = r.to(tl.int64) * NT + tile
+            tk = _key(tl.load(tiletop_ptr + o_t), SHIFT)
             if tk >= read:
-                for sub in tl.static_range(0, BLOCK, SUB):
-                    offs = tile * BLOCK + sub + tl.arange(0, SUB)
+                for sub in tl.static_range(0, BLOCK, STEP):
+                    offs = tile * BLOCK + sub + tl.arange(0, STEP)
                     y, k, _alive = _load_keys(x_ptr, row_off, V, offs, lowest, 0, SHIFT)
                     cand = (k >= lo) & (offs < V)
-                    n = tl.sum(cand.to(tl.int32), axis=0)
-                    if n > 0:
-                        base = tl.atomic_add(count_ptr + r, n)
-                        pos = base + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                        packed = (k << 32) + (2147483647 - offs.to(tl.int64))
-                        tl.store(cand_ptr + r.to(tl.int64) * CAP + pos, packed,
-                                 mask=cand & (pos < CAP))
+                    # a slot per candidate from its own atomic (no scan, no barrier: the
+                    # buffer's order does not matter, select_kernel sorts it)
+                    pos = tl.atomic_add(count_ptr + r + tl.zeros_like(offs), 1, mask=cand)
+                    packed = (k << 32) + (2147483647 - offs.to(tl.int64))
+                    tl.store(cand_ptr + r.to(tl.int64) * CAP + pos, packed,
+                             mask=cand & (pos < CAP))
                     if need_tail:
                         e = tl.exp((y.to(tl.float64) - m.to(tl.float64)) / t.to(tl.float64))
                         below = (k < lo) & (k >= c_key) & (y > -float("inf"))
                         tail += tl.sum(tl.where(below, e, 0.0), axis=0)
             elif need_tail & ~min_on:  # a tile wholly below L: its mass from the statistics
-                o_t = r.to(tl.int64) * NT + tile
                 tm = tl.load(tilemax_ptr + o_t)
                 ts = tl.load(tilesum_ptr + o_t)
                 tail += tl.where((ts > 0) & (tm > -float("inf")),
@@ -540,7 +572,7 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
-                   row_req_ptr, cut_v_ptr, cut_i_ptr, BLOCK: tl.constexpr):
+                   row_req_ptr, cut_v_ptr, cut_i_ptr, BLOCK: tl.constexpr, STEP: tl.constexpr):
     """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf): each tile's sum becomes
     the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's reference
     ``ref``; tiles whose maximum is below the cut get 0."""
@@ -557,8 +589,8 @@ def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, 
             acc = 0.0
             if tl.load(tiletop_ptr + o_t) >= cut_v:
                 ref = tl.load(tilemax_ptr + o_t)
-                for sub in tl.static_range(0, BLOCK, SUB):
-                    offs = tile * BLOCK + sub + tl.arange(0, SUB)
+                for sub in tl.static_range(0, BLOCK, STEP):
+                    offs = tile * BLOCK + sub + tl.arange(0, STEP)
                     y = tl.load(x_ptr + row_off + offs, mask=offs < V,
                                 other=-float("inf")).to(tl.float32)
                     keep = ((y > cut_v) | ((y == cut_v) & (offs <= cut_i))) & (
