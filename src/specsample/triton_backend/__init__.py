@@ -210,14 +210,15 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
             cand, count, tail, CAP=cap, SHIFT=meta["SHIFT"], BLOCK=BLOCK, STEP=FILTER_STEP,
             num_warps=warps)
     hist = torch.empty(rows, filters.NB.value, dtype=torch.int32, device=dev)  # (scratch)
+    done = torch.empty(rows, dtype=torch.int32, device=dev)
     launch(filters.select_kernel)[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
-                                           _filter_counters(dev), hist, **meta,
+                                           _filter_counters(dev), hist, done, **meta,
                                            num_warps=warps)
     sr = max(1, min(nt, math.ceil(_num_programs_target(dev) / max(rows, 1))))
     tpr = math.ceil(nt / sr)
     launch(filters.rewrite_kernel)[(rows, math.ceil(nt / tpr))](
         x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tpr, temp,
-        plan.row_req, cut_v, cut_i, BLOCK=BLOCK, STEP=FILTER_STEP, num_warps=warps)
+        plan.row_req, cut_v, cut_i, done, BLOCK=BLOCK, STEP=FILTER_STEP, num_warps=warps)
     return cut_v, cut_i
 
 

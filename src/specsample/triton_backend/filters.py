@@ -27,7 +27,9 @@ float64, top_k by rank, top_p on float64 masses. Four launches after the statist
    the keys, exact but slow), counted too (``filter_serial_rows``).
 3. ``rewrite_kernel`` (rows x splits): the tile sums of the statistics pass become the
    survivors' sums (tiles without survivors get 0), so the sampling kernels draw from the
-   filtered distribution with the same three-level Gumbel-max as without filters.
+   filtered distribution with the same three-level Gumbel-max as without filters. A row cut
+   from its candidates holds every survivor in them: ``select_kernel`` writes its sums from
+   there and this pass skips it (no second read of its tiles).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ SUB = tl.constexpr(512)  # elements per step inside a tile
 S_G_MAX = tl.constexpr(128)  # most gather splits of one row
 NB = tl.constexpr(4096)  # keys per chunk of the exact-key histogram search
 NCH = tl.constexpr(16)  # most chunks of the histogram search; more go to the serial search
+TG = tl.constexpr(16)  # tiles per step of select_kernel's tile sums
 
 
 @triton.jit
@@ -506,12 +509,15 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                   NT, SG, cand_ptr, count_ptr, tail_ptr, cut_v_ptr, cut_i_ptr, serial_ptr,
-                  hist_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
-                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  hist_ptr, done_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr,
+                  SHIFT: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
     row's sorted candidates (or the serial search when they overflowed ``CAP``). Rows that are
-    not live, greedy, invalid or unfiltered get (-inf, INT_MAX)."""
+    not live, greedy, invalid or unfiltered get (-inf, INT_MAX). A row cut from its candidates
+    holds all its survivors in them: its tile sums are rewritten here (``done`` [T] int32 = 1,
+    ``rewrite_kernel`` skips it); others get ``done`` = 0."""
     r = tl.program_id(0)
+    done = r * 0
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
         r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
         top_k_ptr, top_p_ptr, min_p_ptr, part_m_ptr, part_s_ptr, part_f_ptr, S, S_MAX)
@@ -551,6 +557,21 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                 last = slot == n_keep - 1
                 cut_key = tl.sum(tl.where(last, keys, 0), axis=0)
                 cut_i = tl.sum(tl.where(last, ids, 0), axis=0)
+                if not serial:
+                    # the survivors (slots < n_keep) give the tile sums of rewrite_kernel:
+                    # sum exp2((y - ref) * log2(e) / T) per tile, 0 for tiles without any
+                    surv = slot < n_keep
+                    tile_of = tl.where(surv, ids // BLOCK, -1)
+                    o_r = r.to(tl.int64) * NT
+                    ref = tl.load(tilemax_ptr + o_r + tile_of, mask=surv, other=0.0)
+                    term = tl.where(surv, tl.exp2((_value(keys, SHIFT) - ref)
+                                                  * (1.4426950408889634 / t)), 0.0)
+                    tg = tl.arange(0, TG)
+                    for g in range(0, NT, TG):
+                        hit = tile_of[:, None] == (g + tg)[None, :]
+                        sums = tl.sum(tl.where(hit, term[:, None], 0.0), axis=0)
+                        tl.store(tilesum_ptr + o_r + g + tg, sums, mask=g + tg < NT)
+                    done = r * 0 + 1
             if serial:
                 found = False
                 if SHIFT > 0:  # (float32 values are nearly all distinct: a key per token)
@@ -568,19 +589,22 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                                                  SHIFT, BLOCK)
     tl.store(cut_v_ptr + r, _value(cut_key, SHIFT))
     tl.store(cut_i_ptr + r, cut_i)
+    tl.store(done_ptr + r, done)
 
 
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
-                   row_req_ptr, cut_v_ptr, cut_i_ptr, BLOCK: tl.constexpr, STEP: tl.constexpr):
-    """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf): each tile's sum becomes
-    the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's reference
-    ``ref``; tiles whose maximum is below the cut get 0."""
+                   row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, BLOCK: tl.constexpr,
+                   STEP: tl.constexpr):
+    """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf) that ``select_kernel``
+    did not rewrite (``done`` 0: min_p alone, or candidates that overflowed): each tile's sum
+    becomes the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's
+    reference ``ref``; tiles whose maximum is below the cut get 0."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     cut_v = tl.load(cut_v_ptr + r)
     cut_i = tl.load(cut_i_ptr + r)
-    if cut_v > -float("inf"):
+    if (cut_v > -float("inf")) & (tl.load(done_ptr + r) == 0):
         t = tl.load(temp_ptr + tl.load(row_req_ptr + r))
         scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
         row_off = r.to(tl.int64) * stride
