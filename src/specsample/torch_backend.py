@@ -476,6 +476,16 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     greedy_req = batch.temperature == 0
     y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
                     plan.row_pos)
+    if plan.max_k == 0:  # sample(), or no drafts at all: each request emits its row's token
+        rows = plan.row_start[:, None]
+        token_ids = torch.where(invalid[:, None], -1, y[rows])
+        num_accepted = torch.zeros(n, dtype=torch.int64, device=y.device)
+        logprobs = logprob_ids = None
+        if batch.max_logprobs >= 0:
+            logprobs, logprob_ids = emitted_logprobs(plan, processed_logprobs(plan, z, lse),
+                                                     rows, token_ids, ~invalid[:, None])
+        return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
+                            logprob_token_ids=logprob_ids, invalid=invalid), err
 
     rows, d, didx = _grid(plan)
     k = plan.max_k
