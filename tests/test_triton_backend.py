@@ -373,6 +373,8 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
 
     monkeypatch.setattr(api, "verify", verify)
     monkeypatch.setattr(api, "sample", lambda *a, **kw: None)
+    warmed = []
+    monkeypatch.setattr(triton_backend.layout, "warm", warmed.append)
     monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
     try:
         triton_backend.warmup("cpu", vocab_size=64, workers=0, on_compile="ignore")
@@ -387,4 +389,21 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
                     for kind in ("logits", "probs"):
                         assert (dtype, kind, ddtype, method, False, filt, general) in seen, (
                             dtype, kind, ddtype, method, filt, general)
-    assert any(device_counts for *_, device_counts, _, _ in seen)
+    assert warmed == [torch.device("cpu")]  # the layout kernels (device num_draft_tokens)
+
+
+def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):
+    # A device num_draft_tokens call always launches layout_kernel and mark_kernel, with
+    # HAS_LP as the batch asks: warmup once compiled only the variant without logprobs.
+    from triton.runtime import interpreter
+
+    seen = set()
+    run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        seen.add((self.fn.__name__, kwargs.get("HAS_LP")))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
+    triton_backend.layout.warm(torch.device("cpu"))
+    assert seen == {("layout_kernel", None), ("mark_kernel", False), ("mark_kernel", True)}

@@ -6,6 +6,8 @@ the fused path, and the warmup compile guard.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -178,10 +180,14 @@ def _warmup_then_no_compilation():
                                                                                   generator=gen)))
                 specsample.verify(logits, d, ks, batch, positions=pos, method=method,
                                   strict=False, **extra)
-                # device draft counts (the layout kernel), a width above every count
-                specsample.verify(logits, d, torch.tensor(ks, device="cuda"), batch,
-                                  positions=pos, method=method, strict=False,
-                                  max_num_draft_tokens=max(ks) + 2, **extra)
+                # device draft counts (the layout kernels), a width above every count, with
+                # and without logprobs
+                for b in (batch, SamplingBatch.from_params(
+                        [dataclasses.replace(p, logprobs=2) for p in batch.params],
+                        vocab_size=vocab, device="cuda")):
+                    specsample.verify(logits, d, torch.tensor(ks, device="cuda"), b,
+                                      positions=pos, method=method, strict=False,
+                                      max_num_draft_tokens=max(ks) + 2, **extra)
         specsample.sample(logits[:5], batch, positions=pos, strict=False)
         general = SamplingBatch.from_params(
             [SamplingParams(temperature=0.5, top_k=3, seed=1)] * 5, vocab_size=vocab,

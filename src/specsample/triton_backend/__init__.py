@@ -43,7 +43,7 @@ from .. import paths, rng
 from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
-from . import filters, kernels
+from . import filters, kernels, layout
 from . import logprobs as logprobs_kernels
 from .launch import launch
 
@@ -179,8 +179,10 @@ def filter_histogram_rows(device="cuda") -> int:
 
 
 def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
-    """Launch the filter kernels (``filters``): gather candidates, select each row's cut,
-    rewrite the tile sums to the survivors'. Returns (cut_v [T] float32, cut_i [T] int32)."""
+    """Launch the filter kernels (``filters``): each row's candidate bounds and the gather of
+    its candidates (skipped when no request has top_k or top_p), select each row's cut (and
+    the tile sums of rows cut from their candidates), rewrite the other filtered rows' tile
+    sums to the survivors'. Returns (cut_v [T] float32, cut_i [T] int32)."""
     batch, dev = plan.batch, x.device
     rows = plan.num_rows
     warps = NUM_WARPS if not _interpreting(dev) else 1
@@ -525,8 +527,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
     and on the general path (float32 processed logits), and sample() with raw and processed
-    logprobs on each of those paths (the logprob kernels), and verify() once with a device
-    ``num_draft_tokens`` (the layout kernel), on
+    logprobs on each of those paths (the logprob kernels), and the kernels of a device
+    ``num_draft_tokens`` (``layout.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
@@ -594,11 +596,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
                                method=method, strict=False)
                         calls += 2
-                if plist is params and dtype == dtypes[0]:
-                    # a device num_draft_tokens: the layout kernels (``layout.py``)
-                    verify(rows, drafts, torch.tensor(k, device=device), batch, positions=pos,
-                           strict=False, max_num_draft_tokens=max(k))
-                    calls += 1
+        # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
+        # variants of a host num_draft_tokens)
+        layout.warm(device)
         return calls
 
     from ..api import select_backend

@@ -152,3 +152,22 @@ def mark_layout_errors(out, err: torch.Tensor, layout_err: torch.Tensor):
         lp if has_lp else err, ids if has_lp else err, lp.shape[2] if has_lp else 0,
         HAS_LP=has_lp, BLOCK=32)
     return type(out)(**fields), err
+
+
+def warm(device: torch.device) -> None:
+    """Launch ``layout_kernel`` and both variants of ``mark_kernel`` (with and without
+    logprobs) once on small valid inputs on ``device`` (``warmup()``: every call with a device
+    ``num_draft_tokens`` launches both kernels, whatever the rest of the call)."""
+    from ..outputs import VerifyOutput
+
+    device_layout(torch.tensor([2, 1], device=device), 2, 5, 3)
+    for n_lp in (None, 2):
+        lp = None if n_lp is None else torch.zeros(2, 3, n_lp, device=device)
+        out = VerifyOutput(
+            token_ids=torch.zeros(2, 3, dtype=torch.int64, device=device),
+            num_accepted=torch.zeros(2, dtype=torch.int64, device=device), logprobs=lp,
+            logprob_token_ids=None if lp is None else torch.zeros(2, 3, n_lp, dtype=torch.int64,
+                                                                  device=device),
+            invalid=torch.zeros(2, dtype=torch.bool, device=device))
+        mark_layout_errors(out, torch.zeros(2, dtype=torch.int64, device=device),
+                           torch.tensor([0, ERR_NUM_DRAFT_TOKENS], device=device))
