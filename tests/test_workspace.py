@@ -52,6 +52,17 @@ def test_logits_that_require_grad_keep_their_graph():
     assert specsample.probs(x, batch).requires_grad
 
 
+def test_grad_after_an_inference_mode_call():
+    # The row layout is cached across calls: made inside torch.inference_mode() it holds
+    # inference tensors, which sample()'s no-draft path once passed to autograd (it failed
+    # only after another test had filled the cache that way).
+    batch = _batch()
+    with torch.inference_mode():
+        _call(torch.randn(2, V), batch)
+    x = (torch.randn(2, V) * 3).requires_grad_()
+    assert _call(x, batch).logprobs.requires_grad
+
+
 def test_threads_get_their_own_buffers():
     batch = _batch()
     xs = [torch.randn(2, V, generator=torch.Generator().manual_seed(s)) * 3 for s in range(8)]

@@ -477,7 +477,9 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
                     plan.row_pos)
     if plan.max_k == 0:  # sample(), or no drafts at all: each request emits its row's token
-        rows = plan.row_start[:, None]
+        # (a new tensor: the cached layout may hold inference-mode tensors, which autograd
+        # must not save when the logits require grad)
+        rows = plan.row_start[:, None].clone()
         token_ids = torch.where(invalid[:, None], -1, y[rows])
         num_accepted = torch.zeros(n, dtype=torch.int64, device=y.device)
         logprobs = logprob_ids = None
