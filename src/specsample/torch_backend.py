@@ -55,7 +55,8 @@ def _or_per_request(flags: torch.Tensor, req: torch.Tensor, n: int, bit: int) ->
 
 
 def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host sync).
+    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host
+    synchronisation off the CPU).
 
     One max per row finds every target-row error: NaN propagates through the max, +inf is
     the max, and a row with no finite value has max -inf. ``row_max``: that [T] max, if the
@@ -63,23 +64,30 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     """
     n = plan.num_requests
     mx = plan.logits.amax(dim=-1) if row_max is None else row_max
-    live = plan.row_live
-    bad_nan = (torch.isnan(mx) | torch.isposinf(mx)) & live
-    err = _or_per_request(bad_nan, plan.row_req, n, ERR_LOGITS_NAN)
-    err |= _or_per_request(torch.isneginf(mx) & live, plan.row_req, n, ERR_LOGITS_NO_FINITE)
+    # (on CPU a host read costs nothing: the per-request scatters only run when some value
+    # is bad; on other devices they always run, with no synchronisation)
+    on_cpu = mx.device.type == "cpu"
+    if on_cpu and bool(torch.isfinite(mx).all()):
+        err = torch.zeros(n, dtype=torch.int64)
+    else:
+        live = plan.row_live
+        bad_nan = (torch.isnan(mx) | torch.isposinf(mx)) & live
+        err = _or_per_request(bad_nan, plan.row_req, n, ERR_LOGITS_NAN)
+        err |= _or_per_request(torch.isneginf(mx) & live, plan.row_req, n,
+                               ERR_LOGITS_NO_FINITE)
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
-        dlive = plan.draft_live
-        bad_id = dlive & ((d < 0) | (d >= plan.vocab_size))
-        err |= _or_per_request(bad_id, plan.draft_req, n, ERR_DRAFT_ID)
+        bad_id = (d < 0) | (d >= plan.vocab_size)
+        if not (on_cpu and not bool(bad_id.any())):
+            err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
             dmx = plan.draft_logits.amax(-1)
             bad = torch.isnan(dmx) | torch.isinf(dmx)
-            err |= _or_per_request(bad & dlive, plan.draft_req, n, ERR_DRAFT_ROW)
+            err |= _or_per_request(bad & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ROW)
         elif plan.draft_probs is not None:
             q = plan.draft_probs
             bad = (~torch.isfinite(q) | (q < 0)).any(-1) | (q.float().sum(-1) <= 0)
-            err |= _or_per_request(bad & dlive, plan.draft_req, n, ERR_DRAFT_ROW)
+            err |= _or_per_request(bad & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ROW)
     return err
 
 
