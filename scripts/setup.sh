@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
+# (as root pip warns on every install; an older pip ignores the variable)
+pip_install() { PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet \
+    --disable-pip-version-check "$@"; }
 echo "setup: installing specsample and its dependencies (a few minutes the first time) ..." >&2
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
