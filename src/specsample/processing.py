@@ -316,9 +316,11 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     lies inside them (a full sort of the row is the
     last resort): the tie group at the candidates' smallest value may be cut arbitrarily by
     the top-k, so a boundary there counts as not found yet. The candidates' masses are float64;
-    the total is first estimated from float32 ``exp((y - m) / T)`` (:func:`block_total`),
-    whose relative error is below ``2 log(V) 2**-24`` plus exp's ulp (the mean |z| under
-    softmax(z) is at most log V) plus ``15 * 2**-24`` (blocks of 16 summed in float32), far
+    the total is first estimated from float32 ``exp2((y - m) * log2(e) / T)``
+    (:func:`block_total`; torch's exp2 is about 3x faster than its exp on CPU), whose relative
+    error is below ``3 log(V) 2**-24`` (the subtraction, the rounded factor and the product
+    each err by at most ``|z| 2**-24`` in the result, and the mean |z| under softmax(z) is at
+    most log V) plus exp2's ulp plus ``15 * 2**-24`` (blocks of 16 summed in float32), far
     inside ``NUCLEUS_TOTAL_TOL``: when the kept count is the same at both ends of that bound
     the decision is the exact one, else the total is recomputed in float64 from every
     survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
@@ -328,7 +330,8 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
-    torch.sub(masked, m[:, None], out=e32).div_(t64.float()[:, None]).exp_()
+    torch.sub(masked, m[:, None], out=e32).mul_((math.log2(math.e) / t64).float()[:, None])
+    e32.exp2_()
     total = block_total(e32)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
