@@ -352,10 +352,14 @@ def verify(
                          "order is verify(target_logits, draft_token_ids, num_draft_tokens, "
                          "batch, ...)")
     _check_batch(batch)
+    device_layout = None
+    if max_num_draft_tokens is not None and isinstance(target_logits, torch.Tensor) and (
+            select_backend(target_logits.device) == "triton"):
+        from .triton_backend.layout import device_layout  # (one launch)
     plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                       num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
                       draft_probs=draft_probs, positions=positions, method=method,
-                      max_num_draft_tokens=max_num_draft_tokens)
+                      max_num_draft_tokens=max_num_draft_tokens, device_layout=device_layout)
     out, err = _run(plan, "verify")
     if strict:
         _raise_if_invalid(err)

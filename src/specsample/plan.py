@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +154,8 @@ def _device_layout(k: torch.Tensor, max_k: int, num_rows: int, num_drafts: int
     rows and drafts keep their places but are dead (``k_given`` 0). Every index stays in
     bounds: rows and drafts no request owns map to the last request with j > its k_given.
     Device ops only (cumsum, searchsorted): capturable in a CUDA graph. The Triton backend
-    uses ``triton_backend.layout.device_layout`` instead (the same tensors from one launch).
+    passes ``triton_backend.layout.device_layout`` to :func:`build_plan` instead (the same
+    tensors from one launch).
     """
     n = k.shape[0]
     dev = k.device
@@ -287,6 +288,7 @@ def build_plan(
     method: str,
     logits_name: str = "target_logits",
     max_num_draft_tokens: int | None = None,
+    device_layout: Callable | None = None,
 ) -> Plan:
     """Validate one call's inputs and derive its row layout.
 
@@ -296,6 +298,8 @@ def build_plan(
     on the host: the layout is derived on the device (:func:`_device_layout`), S is
     ``draft_token_ids.shape[0]``, and wrong entries set ``Plan.layout_err`` instead of raising;
     without ``max_num_draft_tokens`` it is read on the host (one synchronisation).
+    ``device_layout``: a function with :func:`_device_layout`'s arguments and results that
+    builds that layout instead (the Triton backend's one launch); None: ``_device_layout``.
 
     Raises:
         ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
@@ -373,11 +377,7 @@ def build_plan(
     layout_err = None
     if on_device:
         k = num_draft_tokens.to(device=device, dtype=torch.int64).contiguous()
-        layout_fn = _device_layout
-        from .api import select_backend
-        if select_backend(device) == "triton":
-            from .triton_backend.layout import device_layout as layout_fn
-        *layout, layout_err = layout_fn(k, max_k, logits.shape[0], s)
+        *layout, layout_err = (device_layout or _device_layout)(k, max_k, logits.shape[0], s)
     else:
         layout = _layout(num_draft, device)
     row_start, draft_start, row_req, row_j, draft_req, draft_j, k_given = layout

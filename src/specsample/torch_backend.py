@@ -78,7 +78,7 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
         bad_id = (d < 0) | (d >= plan.vocab_size)
-        if not (on_cpu and not bool(bad_id.any())):
+        if not on_cpu or bool(bad_id.any()):
             err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
             dmx = plan.draft_logits.amax(-1)
@@ -490,13 +490,27 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         rows = plan.row_start[:, None].clone()
         token_ids = torch.where(invalid[:, None], -1, y[rows])
         num_accepted = torch.zeros(n, dtype=torch.int64, device=y.device)
-        logprobs = logprob_ids = None
-        if batch.max_logprobs >= 0:
-            logprobs, logprob_ids = emitted_logprobs(plan, processed_logprobs(plan, z, lse),
-                                                     rows, token_ids, ~invalid[:, None])
-        return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
-                            logprob_token_ids=logprob_ids, invalid=invalid), err
+        emitted = ~invalid[:, None]
+    else:
+        rows, num_accepted, token_ids, emitted = _verify_drafts(plan, z, lse, y, invalid)
+    logprobs = logprob_ids = None
+    if batch.max_logprobs >= 0:
+        logprobs, logprob_ids = emitted_logprobs(plan, processed_logprobs(plan, z, lse), rows,
+                                                 token_ids, emitted)
+    return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
+                        logprob_token_ids=logprob_ids, invalid=invalid), err
 
+
+def _verify_drafts(plan: Plan, z: torch.Tensor, lse: torch.Tensor | None, y: torch.Tensor,
+                   invalid: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verify`'s decisions on the drafts (sample-and-match, token-level rejection
+    sampling or block verification, the residual draws): (rows [N, K+1], num_accepted [N],
+    token_ids [N, K+1], emitted [N, K+1]) from the processed rows ``z`` (their
+    log-normalisers ``lse``), the rows' samples ``y`` and the invalid requests."""
+    batch = plan.batch
+    n = plan.num_requests
+    greedy_req = batch.temperature == 0
     rows, d, didx = _grid(plan)
     k = plan.max_k
     k_eff = plan.k_eff
@@ -540,10 +554,4 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
             res = torch.where(w.sum(-1) > 0, res, y[r])
             emit = emit.clone()
             emit[ridx, ar] = res
-    num_accepted, token_ids, emitted = accepted_grid(accept, d, emit, k_eff, invalid)
-    logprobs = logprob_ids = None
-    if batch.max_logprobs >= 0:
-        logprobs, logprob_ids = emitted_logprobs(plan, processed_logprobs(plan, z, lse), rows,
-                                                 token_ids, emitted)
-    return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
-                        logprob_token_ids=logprob_ids, invalid=invalid), err
+    return (rows, *accepted_grid(accept, d, emit, k_eff, invalid))

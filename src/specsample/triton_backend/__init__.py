@@ -128,9 +128,6 @@ def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
 # interpreter runs tl.sort element by element, so the CPU test suite sorts 64.)
 FILTER_CAP = 512
 FILTER_CAP_INTERPRETED = 64
-# Tokens per load of the gather and rewrite passes: a whole tile (15% faster than 512-token
-# steps for top_k 50 at B = 128 on an H200).
-FILTER_STEP = BLOCK
 # Gather programs: about FILTER_GATHER_PROGRAMS x the programs target, a few tiles each (one
 # tile per program was 15-30% slower at B = 128 on an H200, 12 tiles the same).
 FILTER_GATHER_PROGRAMS = 8
@@ -201,26 +198,24 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
                 *parts, s, tiles[0], tiles[1], tiles[2], nt)
     meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
                 S_MAX=S_MAX, BLOCK=BLOCK)
-    bnd = torch.empty(rows, 4, dtype=torch.int64, device=dev)
-    mt = torch.empty(rows, 2, dtype=torch.float32, device=dev)
     if batch.needs_rank_filter:  # (min_p alone: its cut needs no candidates)
+        bnd = torch.empty(rows, 4, dtype=torch.int64, device=dev)
+        mt = torch.empty(rows, 2, dtype=torch.float32, device=dev)
         launch(filters.bounds_kernel)[(rows,)](*row_args, bnd, mt, NT_PAD=meta["NT_PAD"],
                                                SHIFT=meta["SHIFT"], S_MAX=S_MAX, BLOCK=BLOCK,
                                                num_warps=warps)
         launch(filters.gather_kernel)[(rows, sg)](
             x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tps, bnd, mt,
-            cand, count, tail, CAP=cap, SHIFT=meta["SHIFT"], BLOCK=BLOCK, STEP=FILTER_STEP,
-            num_warps=warps)
+            cand, count, tail, CAP=cap, SHIFT=meta["SHIFT"], BLOCK=BLOCK, num_warps=warps)
     hist = torch.empty(rows, filters.NB.value, dtype=torch.int32, device=dev)  # (scratch)
     done = torch.empty(rows, dtype=torch.int32, device=dev)
     launch(filters.select_kernel)[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
                                            _filter_counters(dev), hist, done, **meta,
                                            num_warps=warps)
-    sr = max(1, min(nt, math.ceil(_num_programs_target(dev) / max(rows, 1))))
-    tpr = math.ceil(nt / sr)
-    launch(filters.rewrite_kernel)[(rows, math.ceil(nt / tpr))](
+    sr, tpr, _ = _splits(rows, plan.vocab_size, 1, dev)
+    launch(filters.rewrite_kernel)[(rows, sr)](
         x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tpr, temp,
-        plan.row_req, cut_v, cut_i, done, BLOCK=BLOCK, STEP=FILTER_STEP, num_warps=warps)
+        plan.row_req, cut_v, cut_i, done, BLOCK=BLOCK, num_warps=warps)
     return cut_v, cut_i
 
 

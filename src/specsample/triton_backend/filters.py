@@ -261,7 +261,7 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, bnd_ptr,
                   mt_ptr, cand_ptr, count_ptr, tail_ptr, CAP: tl.constexpr,
-                  SHIFT: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr):
+                  SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles), with the row's bounds from ``bounds_kernel``: append the
     candidates (key >= L) to the row's buffer (``count`` [T] must be zero before) and write
     the float64 mass of the tokens below L that top_p's total needs (``tail`` [T, splits])."""
@@ -283,21 +283,20 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             tk = _key(tl.load(tiletop_ptr + o_t), SHIFT)
-            if tk >= read:
-                for sub in tl.static_range(0, BLOCK, STEP):
-                    offs = tile * BLOCK + sub + tl.arange(0, STEP)
-                    y, k, _alive = _load_keys(x_ptr, row_off, V, offs, lowest, 0, SHIFT)
-                    cand = (k >= lo) & (offs < V)
-                    # a slot per candidate from its own atomic (no scan, no barrier: the
-                    # buffer's order does not matter, select_kernel sorts it)
-                    pos = tl.atomic_add(count_ptr + r + tl.zeros_like(offs), 1, mask=cand)
-                    packed = (k << 32) + (2147483647 - offs.to(tl.int64))
-                    tl.store(cand_ptr + r.to(tl.int64) * CAP + pos, packed,
-                             mask=cand & (pos < CAP))
-                    if need_tail:
-                        e = tl.exp((y.to(tl.float64) - m.to(tl.float64)) / t.to(tl.float64))
-                        below = (k < lo) & (k >= c_key) & (y > -float("inf"))
-                        tail += tl.sum(tl.where(below, e, 0.0), axis=0)
+            if tk >= read:  # (the whole tile in one load)
+                offs = tile * BLOCK + tl.arange(0, BLOCK)
+                y, k, _alive = _load_keys(x_ptr, row_off, V, offs, lowest, 0, SHIFT)
+                cand = (k >= lo) & (offs < V)
+                # a slot per candidate from its own atomic (no scan, no barrier: the buffer's
+                # order does not matter, select_kernel sorts it)
+                pos = tl.atomic_add(count_ptr + r + tl.zeros_like(offs), 1, mask=cand)
+                packed = (k << 32) + (2147483647 - offs.to(tl.int64))
+                tl.store(cand_ptr + r.to(tl.int64) * CAP + pos, packed,
+                         mask=cand & (pos < CAP))
+                if need_tail:
+                    e = tl.exp((y.to(tl.float64) - m.to(tl.float64)) / t.to(tl.float64))
+                    below = (k < lo) & (k >= c_key) & (y > -float("inf"))
+                    tail += tl.sum(tl.where(below, e, 0.0), axis=0)
             elif need_tail & ~min_on:  # a tile wholly below L: its mass from the statistics
                 tm = tl.load(tilemax_ptr + o_t)
                 ts = tl.load(tilesum_ptr + o_t)
@@ -594,8 +593,7 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
-                   row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, BLOCK: tl.constexpr,
-                   STEP: tl.constexpr):
+                   row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf) that ``select_kernel``
     did not rewrite (``done`` 0: min_p alone, or candidates that overflowed): each tile's sum
     becomes the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's
@@ -611,13 +609,11 @@ def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, 
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             acc = 0.0
-            if tl.load(tiletop_ptr + o_t) >= cut_v:
+            if tl.load(tiletop_ptr + o_t) >= cut_v:  # (the whole tile in one load)
                 ref = tl.load(tilemax_ptr + o_t)
-                for sub in tl.static_range(0, BLOCK, STEP):
-                    offs = tile * BLOCK + sub + tl.arange(0, STEP)
-                    y = tl.load(x_ptr + row_off + offs, mask=offs < V,
-                                other=-float("inf")).to(tl.float32)
-                    keep = ((y > cut_v) | ((y == cut_v) & (offs <= cut_i))) & (
-                        y > -float("inf"))
-                    acc += tl.sum(tl.where(keep, tl.exp2((y - ref) * scale), 0.0), axis=0)
+                offs = tile * BLOCK + tl.arange(0, BLOCK)
+                y = tl.load(x_ptr + row_off + offs, mask=offs < V,
+                            other=-float("inf")).to(tl.float32)
+                keep = ((y > cut_v) | ((y == cut_v) & (offs <= cut_i))) & (y > -float("inf"))
+                acc += tl.sum(tl.where(keep, tl.exp2((y - ref) * scale), 0.0), axis=0)
             tl.store(tilesum_ptr + o_t, acc)
