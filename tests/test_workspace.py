@@ -1,7 +1,9 @@
-"""The CPU path's reusable scratch buffers (specsample.workspace) never leak into results."""
+"""Reusable scratch buffers (specsample.workspace): the CPU path's never leak into results; the
+Triton path's intermediates are per name, shape, thread and CUDA stream."""
 
 import threading
 
+import pytest
 import torch
 
 import specsample
@@ -79,3 +81,79 @@ def test_threads_get_their_own_buffers():
     for t in threads:
         t.join()
     assert all(torch.equal(a, b) for a, b in zip(got, serial))
+
+
+# ---- workspace.scratch: the Triton path's per-call intermediates
+
+def test_scratch_returns_the_same_tensor_per_name_and_shape():
+    dev = torch.device("cpu")
+    workspace.release()
+    a = workspace.scratch("a", (3, 4), torch.float32, dev)
+    assert workspace.scratch("a", (3, 4), torch.float32, dev) is a
+    b = workspace.scratch("b", (3, 4), torch.float32, dev)
+    assert b.data_ptr() != a.data_ptr()  # two names, two buffers
+    c = workspace.scratch("a", (2,), torch.float32, dev)  # a smaller shape: the same buffer
+    assert c.data_ptr() == a.data_ptr() and c.shape == (2,)
+    assert workspace.scratch("a", (3, 4), torch.int32, dev).data_ptr() != a.data_ptr()
+    big = workspace.scratch("a", (100,), torch.float32, dev)  # grown: a new buffer
+    assert big.shape == (100,) and big.is_contiguous()
+    again = workspace.scratch("a", (3, 4), torch.float32, dev)
+    assert again is not a and again.data_ptr() == big.data_ptr()  # (views of the old dropped)
+    assert workspace.scratch("e", (0, 5), torch.int64, dev).shape == (0, 5)
+    workspace.release()
+
+
+def test_scratch_threads_and_inference_mode():
+    dev = torch.device("cpu")
+    workspace.release()
+    with torch.inference_mode():
+        a = workspace.scratch("t", (8,), torch.float32, dev)
+    assert not a.is_inference()
+    a.fill_(1.0)  # (writable outside inference mode)
+    other = []
+    th = threading.Thread(target=lambda: other.append(
+        workspace.scratch("t", (8,), torch.float32, dev)))
+    th.start()
+    th.join()
+    assert other[0].data_ptr() != a.data_ptr()
+    workspace.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scratch_per_stream_and_fresh_under_capture():
+    dev = torch.device("cuda")
+    a = workspace.scratch("s", (16,), torch.float32, dev)
+    assert workspace.scratch("s", (16,), torch.float32, torch.device("cuda", 0)) is a
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        b = workspace.scratch("s", (16,), torch.float32, dev)
+    assert b.data_ptr() != a.data_ptr()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = workspace.scratch("s", (16,), torch.float32, dev)
+    assert c.data_ptr() not in (a.data_ptr(), b.data_ptr())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_calls_on_two_streams_at_once_match_one_at_a_time():
+    # The Triton path's intermediates are reused between calls: calls queued on two streams
+    # without synchronisation must not share them.
+    v = 151_936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [SamplingParams(temperature=0.7, seed=i, top_k=20, top_p=0.8) for i in range(8)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, device="cuda")
+    xs = [(torch.randn(8, v, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+          for _ in range(6)]
+    pos = torch.arange(8, device="cuda")
+    want = [specsample.sample(x, batch, positions=pos).token_ids for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    got = []
+    for i, x in enumerate(xs):
+        with torch.cuda.stream(streams[i % 2]):
+            got.append(specsample.sample(x, batch, positions=pos, strict=False).token_ids)
+    torch.cuda.synchronize()
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)

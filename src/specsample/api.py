@@ -103,7 +103,7 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     backend = select_backend(plan.logits.device)
     batch = plan.batch
     _refuse_uncapturable(backend, batch, op)
-    n_greedy = sum(p.greedy for p in batch.params)
+    n_greedy = batch.num_greedy
     # Recorded before running, so that a forbidden path raises before doing any work.
     if backend == "triton":
         from . import triton_backend

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -346,6 +347,11 @@ class SamplingBatch:
     @property
     def num_requests(self) -> int:
         return len(self.params)
+
+    @functools.cached_property
+    def num_greedy(self) -> int:
+        """How many requests have temperature 0 (``params`` is a tuple: computed once)."""
+        return sum(p.greedy for p in self.params)
 
     @property
     def needs_general_path(self) -> bool:

@@ -588,7 +588,7 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         kind = "onehot" if draft_probs is None else "draft_probs"
         paths.record(f"torch.verify_tree.{kind}", n + total)
         out, err = _run_tree(plan)
-    n_greedy = sum(p.greedy for p in batch.params)
+    n_greedy = batch.num_greedy
     if n_greedy:
         paths.record("requests.greedy", n_greedy)
     if n_greedy < n:

@@ -231,11 +231,13 @@ def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tiles
 def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
-                  NT, bnd_ptr, mt_ptr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
+                  NT, bnd_ptr, mt_ptr, count_ptr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
                   S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: what ``gather_kernel``'s programs of the row need, computed once
     (``bnd`` [T, 4] int64: flags (1 gather, 2 top_p's tail is needed, 4 min_p on), L, the
-    lowest key whose tiles are read, min_p's cut key; ``mt`` [T, 2] float32: m, T)."""
+    lowest key whose tiles are read, min_p's cut key; ``mt`` [T, 2] float32: m, T), and the
+    row's candidate count (``count`` [T] int32) set to 0 for the gather's atomics (the
+    buffer is reused between calls)."""
     r = tl.program_id(0)
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
         r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
@@ -256,6 +258,7 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     tl.store(bnd_ptr + o + 3, c_key)
     tl.store(mt_ptr + r.to(tl.int64) * 2, m)
     tl.store(mt_ptr + r.to(tl.int64) * 2 + 1, t)
+    tl.store(count_ptr + r, 0)
 
 
 @triton.jit(do_not_specialize=["NT", "TPS"])

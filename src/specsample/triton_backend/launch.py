@@ -3,27 +3,71 @@
 ``kernel[grid](*args, **meta)`` runs Triton's ``JITFunction.run`` at every call: it binds and
 specialises the arguments, builds the cache key as a string, compares every global the
 kernel reads with its value at compile time (``tl.constexpr.__ne__``, a few Python calls
-each), then calls the compiled kernel's launcher. Measured on an H200 that is about 70 us per
-launch (cProfile share of an eager ``verify()`` at 406 us: 60% inside ``run``), most of an
-eager call. ``launch(kernel)[grid](*args, **meta)`` does the same launch with Triton's own
-binder (so the same specialisation, hence the same compiled kernel Triton would pick) and a
-dict keyed by its result, then calls the launcher directly; the first launch of each
-specialisation, and every launch in Triton's interpreter, go through ``kernel[grid]`` itself
-(compilation, the compile guard's hooks, the cache). What it skips: the string key and the
-check that the globals a kernel reads have not changed since it compiled (ours are module
-constants that nothing reassigns). ``compile_pool.collect`` sets ``_COMPILED`` aside while it
-lists variants, so that every launch then reaches its hook.
+each), then calls the compiled kernel's launcher, which asks the driver about every tensor
+argument (``data_ptr()`` and ``cuPointerGetAttribute``, one driver call per pointer). Measured
+on an H200 host that is 30-70 us per launch, most of an eager call.
+
+``launch(kernel)[grid](*args, **meta)`` does the same launch with a key of its own: per
+argument, a tensor's dtype and whether its address is 16-byte aligned, an int's class (1,
+divisible by 16 or not, 32 / 64-bit range), a bool's value, the type of anything else; plus
+the meta-parameters. Those are the properties Triton's binder specialises on (a tensor's dtype
+and alignment, an int's value 1, divisibility by 16 and range), so one key names one
+specialisation, hence one compiled kernel. The first launch of each key goes through Triton's
+binder (and ``kernel[grid]`` itself the first time that specialisation runs: compilation, the
+compile guard's hooks, the cache); later ones call the compiled kernel's launcher directly with
+the tensors' addresses as integers (no driver query per pointer), and without Triton's launch
+hooks and their per-launch metadata when no hook is installed (Triton 3.6 calls its empty
+default hook chain around every launch). Every launch in Triton's
+interpreter goes through ``kernel[grid]``. What it skips: the string key, the driver's pointer
+check (our callers validate devices), and the check that the globals a kernel reads have not
+changed since it compiled (ours are module constants that nothing reassigns).
+``compile_pool.collect`` sets ``_COMPILED`` aside while it lists variants, so that every launch
+then reaches its hook.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-# (kernel, device, specialisation, options) -> compiled kernel
+# (kernel, device, argument key, meta items, meta types, debug, instrumentation)
+#   -> compiled kernel
 _COMPILED: dict[tuple, Any] = {}
+_I32 = 1 << 31
+_I64 = 1 << 63
+_Tensor = torch.Tensor
+
+
+def arg_key(args: tuple) -> tuple[tuple, list] | None:
+    """(key, launch values) of positional kernel arguments: the key as the module docstring
+    says, the values with every tensor replaced by its address. None when an argument is of a
+    kind the key does not cover (Triton's own path then decides)."""
+    key: list = []
+    values: list = []
+    k, v = key.append, values.append
+    for a in args:
+        t = type(a)
+        if t is _Tensor or (t is not int and isinstance(a, _Tensor)):
+            p = a.data_ptr()
+            v(p)
+            k((a.dtype,) if p & 15 else a.dtype)  # (a tuple when not 16-byte aligned)
+            continue
+        v(a)
+        if t is int:
+            k(1 if a == 1 else (2 if a & 15 else 3) if -_I32 <= a < _I32 else
+              (4 if a & 15 else 5) if -_I64 <= a < _I64 else (6 if a & 15 else 7))
+        elif t is float:
+            k(0.5)
+        elif t is bool:
+            k("T" if a else "F")
+        elif a is None:
+            k(None)
+        else:
+            return None
+    return tuple(key), values
 
 
 class _Launch:
@@ -35,31 +79,48 @@ class _Launch:
 
     def __call__(self, *args: Any, **meta: Any) -> None:
         kernel, grid = self.kernel, self.grid
-        if not hasattr(kernel, "device_caches"):  # Triton's interpreter
+        keyed = None
+        if hasattr(kernel, "device_caches") and not (
+                _hooked(knobs.runtime.launch_enter_hook)
+                or _hooked(knobs.runtime.launch_exit_hook)):
+            keyed = arg_key(args)  # (else Triton's interpreter, or launch hooks that read
+        if keyed is None:          # the arguments as given)
             kernel[grid](*args, **meta)
             return
+        akey, values = keyed
         device = driver.active.get_current_device()
-        binder = kernel.device_caches[device][4]
-        bound, specialization, options = binder(*args, **meta)
         # (the meta values' types too: True == 1 == 1.0, but Triton keys them apart)
-        key = (kernel, device, tuple(specialization), tuple(options.items()),
-               tuple(map(type, meta.values())), knobs.runtime.debug,
-               knobs.compilation.instrumentation_mode)
-        compiled = _COMPILED.get(key)
-        if compiled is None:
+        key = (kernel, device, akey, tuple(meta.items()), tuple(map(type, meta.values())),
+               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        entry = _COMPILED.get(key)
+        if entry is None:
             compiled = kernel[grid](*args, **meta)  # compiles if needed, and launches
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
-            if compiled is not None:
-                _COMPILED[key] = compiled
+            pad = _constexpr_tail(kernel, len(args))
+            if compiled is not None and pad is not None:
+                _COMPILED[key] = (compiled, (None,) * pad)
             return
+        compiled, pad = entry
         stream = driver.active.get_current_stream(device)
-        values = bound.values()
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values),
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+                     None, None, None, *values, *pad)
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook would do anything: Triton 3.6 installs an empty ``HookChain``
+    by default (a profiler adds to it), and calls it around every launch it makes."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _constexpr_tail(kernel: Any, given: int) -> int | None:
+    """How many parameters follow the ``given`` positional ones, when all of them are
+    constexpr (the launcher takes every parameter in order and ignores the constexpr values);
+    None when a runtime parameter would be missing (given by keyword: Triton's path then)."""
+    rest = kernel.params[given:]
+    return len(rest) if all(p.is_constexpr for p in rest) else None
 
 
 class launch:

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import rng
+from .. import rng, workspace
 from ..plan import Plan
 from .launch import launch
 
@@ -328,9 +328,9 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     out_i = torch.empty(n, k1, n_max + 1, dtype=torch.int64, device=dev)
     if p == 0:
         return out_v, out_i
-    pm = torch.empty(p, s, dtype=torch.float32, device=dev)
-    ps = torch.empty(p, s, dtype=torch.float32, device=dev)
-    cand = torch.empty(p, CAND if n_max > 0 else 1, dtype=torch.int64, device=dev)
+    pm = workspace.scratch("logprobs.pm", (p, s), torch.float32, dev)
+    ps = workspace.scratch("logprobs.ps", (p, s), torch.float32, dev)
+    cand = workspace.scratch("logprobs.cand", (p, CAND if n_max > 0 else 1), torch.int64, dev)
     rank, count = ranking if ranking is not None else (cand, cand.view(torch.int32))
     common = (num_accepted, invalid.view(torch.uint8), plan.row_start, batch.logprobs_n,
               batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i)
