@@ -118,6 +118,17 @@ def test_own_key_values_are_addresses():
     assert values == [x[1:].data_ptr(), 16, 2.0, None]
     assert key == ((torch.float32,), 3, 0.5, None)
     assert launch_module.arg_key((object(),)) is None
+    assert launch_module.arg_key((2**64,)) is None and launch_module.arg_key((-2**63 - 1,)) is None
+    assert launch_module.arg_key((2**64 - 1, -2**63))[0] == (6, 5)
+
+
+def test_constexprs_by_position_are_not_keyed():
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(getattr(_mixed_kernel, "fn", _mixed_kernel))
+    assert launch_module._constexpr_tail(jit, 6) == 1  # BLOCK by keyword: keyed
+    assert launch_module._constexpr_tail(jit, 7) is None  # BLOCK by position
+    assert launch_module._constexpr_tail(jit, 5) is None  # flag by keyword
 
 
 @pytest.mark.gpu

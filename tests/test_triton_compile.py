@@ -199,18 +199,36 @@ def _calls():
                                                           torch.tensor([0, 256, 0]))
     for mode, kw in [("mixed", {}), ("sampled", dict(top_k=5, min_p=0.05)),
                      ("mixed", GENERAL)]:
-        yield lambda m=mode, kw=kw: _verify_tree(
-            *_tree_case(3, 3, 300, bf16, m, logprobs=2, **kw))
+        for lp in (2, None):  # (None: the walk kernel, its two variants)
+            yield lambda m=mode, kw=kw, lp=lp: _verify_tree(
+                *_tree_case(3, 3, 300, bf16, m, logprobs=lp, **kw))
+
+
+def _launch_form_errors(fn, args, kwargs) -> list[str]:
+    """What keeps a launch off ``triton_backend.launch``'s direct path, or would make its key
+    ambiguous: a constexpr given by position, a runtime parameter given by keyword."""
+    params = list(inspect.signature(fn).parameters.values())
+    is_const = ["constexpr" in str(p.annotation) for p in params]
+    errors = [f"{fn.__name__}: constexpr {p.name} by position"
+              for p, c in zip(params[:len(args)], is_const) if c]
+    errors += [f"{fn.__name__}: runtime parameter {p.name} not by position"
+               for p, c in zip(params[len(args):], is_const[len(args):]) if not c]
+    return errors
+
+
+_FORM_ERRORS: set[str] = set()
 
 
 def _record(monkeypatch) -> list[dict]:
-    """Run the calls with the Triton backend in the interpreter; the distinct launches."""
+    """Run the calls with the Triton backend in the interpreter; the distinct launches (and
+    each launch's form, ``_FORM_ERRORS``)."""
     seen = {}
     run = interpreter.InterpretedFunction.run
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         v = _variant(self.fn, args, kwargs)
         seen.setdefault(json.dumps(v, sort_keys=True), v)
+        _FORM_ERRORS.update(_launch_form_errors(self.fn, args, kwargs))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
@@ -236,6 +254,9 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     launched = {f"{v['module']}.{v['name']}" for v in variants}
     assert _kernels_of_the_backend() <= launched, (
         f"kernels no call launched (extend _calls): {_kernels_of_the_backend() - launched}")
+    # Every launch in the form the direct launcher keys (runtime arguments by position,
+    # constexprs by keyword; triton_backend.launch): otherwise it would take Triton's path.
+    assert not _FORM_ERRORS, sorted(_FORM_ERRORS)
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))

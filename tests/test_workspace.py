@@ -1,6 +1,7 @@
 """Reusable scratch buffers (specsample.workspace): the CPU path's never leak into results; the
 Triton path's intermediates are per name, shape, thread and CUDA stream."""
 
+import math
 import threading
 
 import pytest
@@ -157,3 +158,59 @@ def test_calls_on_two_streams_at_once_match_one_at_a_time():
     torch.cuda.synchronize()
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+def test_garbage_in_the_triton_intermediates_never_reaches_a_result(monkeypatch):
+    # Every intermediate a call reads is written first in that call: fill all of them with
+    # garbage between two identical calls and the results must not change. Floats NaN,
+    # int32 3 (a candidate counter not reset would read 3 unwritten slots), int64 a packed
+    # candidate (value key, then id) above every real one: token 0 at the top of the row.
+    import dataclasses
+
+    pytest.importorskip("specsample.triton_backend")
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    v = 700
+    pos = torch.arange(3)
+
+    def poison() -> int:
+        bufs = workspace._LOCAL.__dict__.get("scratch", {})
+        for (_name, dtype, _dev, _stream), b in bufs.items():
+            b.fill_(math.nan if dtype.is_floating_point else True if dtype == torch.bool
+                    else 3 if dtype == torch.int32 else 0x7FFFFFFF7FFFFFFF)
+        return len(bufs)
+
+    def calls(params):
+        b = SamplingBatch.from_params(params, vocab_size=v)
+        g = torch.Generator().manual_seed(len(params[0].__repr__()))
+        x = (torch.randn(3, v, generator=g) * 3).to(torch.bfloat16)
+        rows = (torch.randn(9, v, generator=g) * 3).to(torch.bfloat16)
+        drafts = torch.randint(0, v, (6,), generator=g)
+        dl = torch.randn(6, v, generator=g)
+        out = [specsample.sample(x, b, positions=pos, strict=False)]
+        for method in ("token", "block"):
+            out.append(specsample.verify(rows, drafts, [2, 2, 2], b, draft_logits=dl,
+                                         positions=pos, method=method, strict=False))
+            out.append(specsample.verify(rows, drafts, [2, 2, 2], b, positions=pos,
+                                         method=method, strict=False))
+        out.append(specsample.verify_tree(
+            rows[:7], [5, 6, 7, 8, 9], [0, 1, 1, 0, 1], [3, 2],
+            SamplingBatch.from_params(params[:2], vocab_size=v), strict=False,
+            positions=pos[:2]))
+        return [getattr(o, f.name) for o in out for f in dataclasses.fields(o)
+                if isinstance(getattr(o, f.name), torch.Tensor)]
+
+    P = SamplingParams
+    for params in ([P(temperature=0.8, seed=1, top_k=7)] * 3,
+                   [P(temperature=0.8, seed=2, min_p=0.05)] * 3,
+                   [P(temperature=0.9, seed=3, top_p=0.5), P(temperature=0.0),
+                    P(temperature=1.2, seed=4, top_k=50, top_p=0.9)],
+                   [P(temperature=0.8, seed=1, top_k=7, logprobs=3,
+                      logprobs_mode="processed")] * 3,
+                   [P(temperature=0.8, seed=5, top_p=0.3, logprobs=0)] * 3):
+        workspace.release()
+        ref = calls(params)
+        assert poison() > 10
+        for a, b in zip(ref, calls(params), strict=True):
+            assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(
+                a, b, equal_nan=True)
+    workspace.release()

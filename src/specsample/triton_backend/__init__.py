@@ -126,8 +126,11 @@ def _no_drafts_on(device: torch.device) -> torch.Tensor:
 def _no_drafts(device: torch.device) -> torch.Tensor:
     """[1] int64 zeros: the draft ids of a call without drafts (read by nothing; one per
     device)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():  # (the graph's memory, not a cached one)
+            return torch.zeros(1, dtype=torch.int64, device=device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return _no_drafts_on(device)
 
 

@@ -12,9 +12,11 @@ argument, a tensor's dtype and whether its address is 16-byte aligned, an int's 
 divisible by 16 or not, 32 / 64-bit range), a bool's value, the type of anything else; plus
 the meta-parameters. Those are the properties Triton's binder specialises on (a tensor's dtype
 and alignment, an int's value 1, divisibility by 16 and range), so one key names one
-specialisation, hence one compiled kernel. The first launch of each key goes through Triton's
-binder (and ``kernel[grid]`` itself the first time that specialisation runs: compilation, the
-compile guard's hooks, the cache); later ones call the compiled kernel's launcher directly with
+specialisation, hence one compiled kernel, provided the meta-parameters (every constexpr) are
+given by keyword: a launch that passes a constexpr by position, or leaves a runtime parameter
+to a keyword, always takes Triton's path. The first launch of each key goes through
+``kernel[grid]`` itself (binding, compilation if needed, the compile guard's hooks, the
+cache); later ones call the compiled kernel's launcher directly with
 the tensors' addresses as integers (no driver query per pointer), and without Triton's launch
 hooks and their per-launch metadata when no hook is installed (Triton 3.6 calls its empty
 default hook chain around every launch). Every launch in Triton's
@@ -38,6 +40,7 @@ from triton.runtime.driver import driver
 _COMPILED: dict[tuple, Any] = {}
 _I32 = 1 << 31
 _I64 = 1 << 63
+_U64 = 1 << 64
 _Tensor = torch.Tensor
 
 
@@ -57,8 +60,10 @@ def arg_key(args: tuple) -> tuple[tuple, list] | None:
             continue
         v(a)
         if t is int:
+            if not -_I64 <= a < _U64:
+                return None  # (Triton raises for it: let it)
             k(1 if a == 1 else (2 if a & 15 else 3) if -_I32 <= a < _I32 else
-              (4 if a & 15 else 5) if -_I64 <= a < _I64 else (6 if a & 15 else 7))
+              (4 if a & 15 else 5) if a < _I64 else (6 if a & 15 else 7))
         elif t is float:
             k(0.5)
         elif t is bool:
@@ -117,17 +122,23 @@ def _hooked(hook: Any) -> bool:
 
 def _constexpr_tail(kernel: Any, given: int) -> int | None:
     """How many parameters follow the ``given`` positional ones, when all of them are
-    constexpr (the launcher takes every parameter in order and ignores the constexpr values);
-    None when a runtime parameter would be missing (given by keyword: Triton's path then)."""
-    rest = kernel.params[given:]
+    constexpr and none of the positional ones is (the launcher takes every parameter in order
+    and ignores the constexpr values; the key does not tell constexpr values apart). None
+    otherwise: that launch always takes Triton's path."""
+    params = kernel.params
+    if any(p.is_constexpr for p in params[:given]):
+        return None
+    rest = params[given:]
     return len(rest) if all(p.is_constexpr for p in rest) else None
 
 
 class launch:
     """``launch(kernel)[grid](*args, **meta)``: ``kernel[grid](*args, **meta)`` through the
     compiled kernel's launcher once that specialisation has run (module docstring). ``grid``:
-    a tuple of 1 to 3 ints. Errors are Triton's own (the first launch of a specialisation
-    takes Triton's path)."""
+    a tuple of 1 to 3 ints. Runtime arguments by position, constexprs by keyword. The caller
+    guarantees that every tensor argument is on the current CUDA device (the direct launch
+    passes addresses, which the driver does not check). Errors are Triton's own (the first
+    launch of a specialisation takes Triton's path)."""
 
     __slots__ = ("kernel",)
 
