@@ -525,6 +525,32 @@ def test_layout_of_interleaved_numbering():
     assert lay.path_tokens[4].tolist() == [11, 13, -1]
 
 
+def test_layout_structure_is_kept_and_tokens_are_not():
+    """A second call with the same num_nodes and parents reuses the structure (the same
+    tensors) and lays out its own tokens; sibling checks and parent checks still run."""
+    from specsample import tree as tree_mod
+
+    parents = torch.tensor([0, 0, 1, 2, 1, 5])
+    a = tree_mod.build_tree_layout((6, 0), parents, torch.tensor([10, 11, 12, 13, 14, 15]),
+                                   torch.device("cpu"))
+    b = tree_mod.build_tree_layout((6, 0), parents.tolist(), [20, 21, 22, 23, 24, 25],
+                                   torch.device("cpu"))
+    assert b.children is a.children and b.path_rows is a.path_rows
+    assert b.row_token.tolist() == [-1, 20, 21, 22, 23, 24, 25, -1]
+    assert a.row_token.tolist() == [-1, 10, 11, 12, 13, 14, 15, -1]  # (not overwritten)
+    assert b.path_tokens[6].tolist() == [20, 24, 25]
+    with pytest.raises(ValueError, match="distinct tokens"):  # nodes 3 and 5 share parent 1
+        tree_mod.build_tree_layout((6, 0), parents, [20, 21, 22, 23, 22, 25],
+                                   torch.device("cpu"))
+    with pytest.raises(ValueError, match="parents"):
+        tree_mod.build_tree_layout((6, 0), [0, 0, 1, 2, 1, 6], [1, 2, 3, 4, 5, 6],
+                                   torch.device("cpu"))
+    for i in range(tree_mod._SHAPES_MAX + 5):  # (a bounded cache)
+        tree_mod.build_tree_layout((1, i), [0] + [0] * i, list(range(1 + i)),
+                                   torch.device("cpu"))
+    assert len(tree_mod._SHAPES) <= tree_mod._SHAPES_MAX
+
+
 def test_forbidden_path_raises():
     logits, toks, parents, num_nodes, batch = _small()
     with paths.forbid("torch.verify_tree.*"):

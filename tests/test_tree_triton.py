@@ -126,32 +126,38 @@ def test_matches_torch_backend(monkeypatch, seed, mode):
         assert int(out.num_accepted.max()) >= 1
 
 
-def test_vocabulary_spanning_tiles(monkeypatch):
-    case = _case(7, 3, 3000, torch.bfloat16, "mixed", logprobs=1)
+@pytest.mark.parametrize("lp", [None, 1])
+def test_vocabulary_spanning_tiles(monkeypatch, lp):
+    case = _case(7, 3, 3000, torch.bfloat16, "mixed", logprobs=lp)
     ref, out, _ = run_both(monkeypatch, *case)
     assert_same(ref, out)
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.8), dict(min_p=0.05),
                                 dict(top_k=20, top_p=0.9, min_p=0.01)])
-def test_filtered_path(monkeypatch, kw):
-    case = _case(11, 4, 300, torch.float32, "mixed", logprobs=1, **kw)
+@pytest.mark.parametrize("lp", [None, 1])  # (None: the walk kernel; 1: the PyTorch walk)
+def test_filtered_path(monkeypatch, kw, lp):
+    case = _case(11, 4, 300, torch.float32, "mixed", logprobs=lp, **kw)
     ref, out, counts = run_both(monkeypatch, *case)
     assert_same(ref, out)
     assert counts["triton.verify_tree.filtered"]["calls"] == 1
+    assert ("triton.verify_tree.walk" in counts) == (lp is None)
 
 
 @pytest.mark.parametrize("kw", [dict(presence_penalty=0.5, repetition_penalty=1.3),
                                 dict(logit_bias={1: 2.0, 5: -1.0}, top_k=9)])
-def test_general_path(monkeypatch, kw):
-    case = _case(13, 4, 300, torch.bfloat16, "mixed", logprobs=2, **kw)
+@pytest.mark.parametrize("lp", [None, 2])
+def test_general_path(monkeypatch, kw, lp):
+    case = _case(13, 4, 300, torch.bfloat16, "mixed", logprobs=lp, **kw)
     ref, out, counts = run_both(monkeypatch, *case)
     assert_same(ref, out)
     assert counts["triton.verify_tree.general"]["calls"] == 1
+    assert ("triton.verify_tree.walk" in counts) == (lp is None)
 
 
 @pytest.mark.parametrize("general", [False, True])
-def test_invalid_rows_only_their_request(monkeypatch, general):
+@pytest.mark.parametrize("lp", [None, 1])
+def test_invalid_rows_only_their_request(monkeypatch, general, lp):
     gen = torch.Generator().manual_seed(3)
     n, vocab = 4, 300
     ms, par, tok = random_trees(gen, n, vocab=vocab, allow_empty=False)
@@ -162,7 +168,8 @@ def test_invalid_rows_only_their_request(monkeypatch, general):
     tok = list(tok)
     tok[sum(ms[:3])] = vocab + 5  # request 3: a node token outside [0, V)
     kw = dict(presence_penalty=0.3) if general else {}
-    batch = SamplingBatch.from_params(params_list(gen, n, "mixed", logprobs=1, **kw),
+    lps = {} if lp is None else dict(logprobs=lp)
+    batch = SamplingBatch.from_params(params_list(gen, n, "mixed", **lps, **kw),
                                       vocab_size=vocab, device=DEVICE)
     pos = torch.arange(n).to(DEVICE)
     logits = logits.to(DEVICE)
@@ -174,14 +181,16 @@ def test_invalid_rows_only_their_request(monkeypatch, general):
         specsample.verify_tree(logits, tok, par, ms, batch, positions=pos)
 
 
-def test_empty_trees(monkeypatch):
+@pytest.mark.parametrize("lp", [None, 0])
+def test_empty_trees(monkeypatch, lp):
     gen = torch.Generator().manual_seed(5)
     vocab = 300
     for ms, width in (([0, 0, 0], 1), ([0, 2, 0], 3)):
         par = [0, 1][:sum(ms)]
         tok = [4, 9][:sum(ms)]
         logits = tree_logits(gen, ms, par, tok, vocab, torch.float32).to(DEVICE)
-        batch = SamplingBatch.from_params(params_list(gen, 3, "mixed", logprobs=0),
+        batch = SamplingBatch.from_params(params_list(gen, 3, "mixed",
+                                                      **({} if lp is None else dict(logprobs=lp))),
                                           vocab_size=vocab, device=DEVICE)
         pos = torch.tensor([3, 4, 5]).to(DEVICE)
         ref, out, _ = run_both(monkeypatch, logits, tok, par, ms, batch, pos)
@@ -269,3 +278,27 @@ def test_gpu_warmup_covers_trees():
         assert triton_backend.compilations_after_warmup() == []
     finally:
         triton_backend.disarm_compile_guard()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "mixed"])
+def test_wide_and_deep_trees(monkeypatch, mode):
+    # More children than the walk kernel compares per step (16) and a path longer than it
+    # writes per step (32).
+    gen = torch.Generator().manual_seed(9)
+    vocab = 300
+    ms = [20, 40, 3]
+    par = [0] * 20 + list(range(40)) + [0, 1, 1]
+    tok = list(range(100, 120)) + [7 + (i % 5) for i in range(40)] + [3, 4, 5]
+    logits = tree_logits(gen, ms, par, tok, vocab, torch.float32)
+    for n in range(1, 41):  # every chain node favoured by its parent's row: walks go deep
+        logits[21 + n - 1, tok[20 + n - 1]] += 30.0
+    logits = logits.to(DEVICE)
+    batch = SamplingBatch.from_params(params_list(gen, 3, mode), vocab_size=vocab,
+                                      device=DEVICE)
+    pos = torch.tensor([1, 2, 3]).to(DEVICE)
+    ref, out, counts = run_both(monkeypatch, logits, tok, par, ms, batch, pos)
+    assert_same(ref, out)
+    assert counts["triton.verify_tree.walk"]["calls"] == 1
+    assert out.token_ids.shape == (3, 41)
+    if mode == "greedy":
+        assert int(out.num_accepted[1]) > 32

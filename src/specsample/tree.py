@@ -34,7 +34,9 @@ Greedy requests (temperature 0) walk the argmax whatever the draft kind. Process
 logit_bias, penalties, temperature, min_p, top_k, top_p) is ``verify()``'s, per node row, with
 the tokens of the nodes on the path from the root to the node (the node included) counted as
 outputs for its row. The tree layout is read and checked on the host (one synchronisation for
-device tensors): this path is not capturable in CUDA graphs.
+device tensors): this path is not capturable in CUDA graphs. The structure of a batch of trees
+(``num_nodes`` and ``parents``) is kept between calls (``_tree_shape``); the tokens are laid
+out per call.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class TreeLayout:
     of each node's children in node-number order (B = the largest number of children);
     path_rows [R, D + 1]: the rows of the nodes at depth 0..depth(r) on the root-to-node path
     of row r; path_tokens [R, D]: their tokens at depth 1..depth(r) (the node's own included),
-    the outputs its row counts. ``depth``: D, the deepest node's depth in the batch.
+    the outputs its row counts. ``depth``: D, the deepest node's depth in the batch;
+    ``max_rows``: the most rows of one request (1 + its nodes).
     """
 
     row_req: torch.Tensor
@@ -83,6 +86,9 @@ class TreeLayout:
     path_rows: torch.Tensor
     path_tokens: torch.Tensor
     depth: int
+    max_rows: int = 1  # the most rows of one request (its nodes and root)
+    draft_start: torch.Tensor | None = None  # [N] zeros (the plan's; kept with the structure)
+    k_given: torch.Tensor | None = None  # [N] all D (the plan's)
 
 
 def _num_nodes_tuple(num_nodes, n: int) -> tuple[int, ...]:
@@ -94,40 +100,56 @@ def _num_nodes_tuple(num_nodes, n: int) -> tuple[int, ...]:
         raise ValueError(str(e).replace("num_draft_tokens", "num_nodes")) from None
 
 
-def _int_vector(name: str, t, m: int) -> torch.Tensor:
-    """A [m] int64 CPU tensor from an integer tensor or a list (ValueError otherwise)."""
-    if not isinstance(t, torch.Tensor):
+def _int_vector(name: str, t, m: int) -> np.ndarray:
+    """A [m] int64 numpy array from an integer tensor (on any device: a device tensor is read
+    with one synchronisation) or a list of ints (ValueError otherwise)."""
+    if isinstance(t, torch.Tensor):
+        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
+                t.dtype == torch.bool):
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape "
+                             f"{tuple(t.shape)}")
+        a = t.to("cpu", torch.int64).numpy()
+    else:
         try:
-            t = torch.as_tensor(list(t))
-        except (TypeError, ValueError, RuntimeError):
+            a = np.asarray(list(t))
+        except (TypeError, ValueError):
             raise ValueError(f"{name} must be a 1-D int64 tensor or a list of ints") from None
-        if t.numel() == 0:
-            t = t.to(torch.int64)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape "
-                         f"{tuple(t.shape)}")
-    if t.shape[0] != m:
-        raise ValueError(f"{name} has {t.shape[0]} entries; sum(num_nodes) = {m}")
-    return t.to("cpu", torch.int64)
+        if a.size == 0:
+            a = a.astype(np.int64)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got "
+                             f"{a.dtype} of shape {a.shape}")
+        a = a.astype(np.int64, copy=False)
+    if a.shape[0] != m:
+        raise ValueError(f"{name} has {a.shape[0]} entries; sum(num_nodes) = {m}")
+    return a
 
 
-def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
-                      device: torch.device) -> TreeLayout:
-    """Check the trees and lay them out (:class:`TreeLayout`), on the host with numpy.
+@dataclasses.dataclass
+class _Shape:
+    """The token-independent part of a batch of trees (numpy arrays as in TreeLayout, plus
+    ``node_row`` [M] and ``node_req`` / ``node_num``), and its device tensors."""
 
-    ``num_nodes``: host tuple of m_i; ``parents`` / ``draft_token_ids``: [M] int64 CPU tensors
-    (node n of request i at index ``sum_{i' < i} m_i' + n - 1``).
+    host: dict
+    device: dict
+    depth: int
+    max_rows: int
+
+
+def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.device) -> _Shape:
+    """The trees' structure from the node counts and the parents (cached: an engine's tree
+    shapes repeat from step to step, their tokens do not).
 
     Raises:
-        ValueError: a parent outside [0, own number - 1] (nodes must be numbered in
-            topological order), or two children of one node with the same token (siblings
-            must differ: the walk descends to *the* child holding the sampled token).
+        ValueError: a parent outside [0, own number - 1].
     """
+    key = (num_nodes, par.tobytes(), device)
+    hit = _SHAPES.get(key)
+    if hit is not None:
+        return hit
     m = np.asarray(num_nodes, dtype=np.int64)
     n = m.shape[0]
     total = int(m.sum())
-    par = parents.numpy()
-    tok = draft_token_ids.numpy()
     node_start = np.concatenate([[0], np.cumsum(m)[:-1]]).astype(np.int64)
     row_start = node_start + np.arange(n, dtype=np.int64)
     node_req = np.repeat(np.arange(n, dtype=np.int64), m)
@@ -142,18 +164,8 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     row_req = np.repeat(np.arange(n, dtype=np.int64), m + 1)
     row_node = np.arange(rows, dtype=np.int64) - row_start[row_req]
     node_row = row_start[node_req] + node_num
-    row_token = np.full(rows, -1, dtype=np.int64)
-    row_token[node_row] = tok
     row_parent = np.full(rows, -1, dtype=np.int64)
     row_parent[node_row] = row_start[node_req] + par
-    # Siblings: nodes sorted by (parent row, token) must not repeat a pair.
-    order = np.lexsort((tok, row_parent[node_row]))
-    key_p, key_t = row_parent[node_row][order], tok[order]
-    dup = (key_p[1:] == key_p[:-1]) & (key_t[1:] == key_t[:-1])
-    if dup.any():
-        g = int(order[np.flatnonzero(dup)[0] + 1])
-        raise ValueError(f"request {int(node_req[g])}: two children of node {int(par[g])} hold "
-                         f"the token {int(tok[g])} (siblings must have distinct tokens)")
     # Depth: parents come first, so one pass in node order (vectorised per relaxation round).
     depth = np.zeros(rows, dtype=np.int64)
     for _ in range(total):
@@ -178,15 +190,69 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
         r = np.flatnonzero(depth == d)
         path_rows[r] = path_rows[row_parent[r]]
         path_rows[r, d] = r
-    path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)], -1)
+    host = dict(row_req=row_req, row_node=row_node, row_depth=depth, row_parent=row_parent,
+                row_start=row_start, children=children, path_rows=path_rows,
+                node_row=node_row, node_req=node_req)
+    with torch.inference_mode(False):  # (normal tensors: later calls may run outside it)
+        dev = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device)
+               for k, v in host.items() if k not in ("node_row", "node_req")}
+        dev["draft_start"] = torch.zeros_like(dev["row_start"])
+        dev["k_given"] = torch.full_like(dev["row_start"], d_max)
+    shape = _Shape(host=host, device=dev, depth=d_max, max_rows=int(m.max()) + 1 if n else 1)
+    if len(_SHAPES) >= _SHAPES_MAX:
+        _SHAPES.pop(next(iter(_SHAPES)))
+    _SHAPES[key] = shape
+    return shape
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-    return TreeLayout(row_req=dev(row_req), row_node=dev(row_node), row_depth=dev(depth),
-                      row_token=dev(row_token), row_parent=dev(row_parent),
-                      row_start=dev(row_start), children=dev(children),
-                      path_rows=dev(path_rows), path_tokens=dev(path_tokens), depth=d_max)
+_SHAPES: dict = {}
+_SHAPES_MAX = 64
+
+
+def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
+                      device: torch.device) -> TreeLayout:
+    """Check the trees and lay them out (:class:`TreeLayout`), on the host with numpy.
+
+    ``num_nodes``: host tuple of m_i; ``parents`` / ``draft_token_ids``: [M] int64 numpy
+    arrays or CPU tensors (node n of request i at index ``sum_{i' < i} m_i' + n - 1``). The
+    structure (everything but the tokens) is kept for the next call with the same num_nodes
+    and parents on ``device``; the tokens' part costs one host-to-device copy.
+
+    Raises:
+        ValueError: a parent outside [0, own number - 1] (nodes must be numbered in
+            topological order), or two children of one node with the same token (siblings
+            must differ: the walk descends to *the* child holding the sampled token).
+    """
+    par = np.asarray(parents, dtype=np.int64)
+    tok = np.asarray(draft_token_ids, dtype=np.int64)
+    shape = _tree_shape(tuple(num_nodes), par, device)
+    h = shape.host
+    node_row, node_req = h["node_row"], h["node_req"]
+    rows = h["row_req"].shape[0]
+    row_token = np.full(rows, -1, dtype=np.int64)
+    row_token[node_row] = tok
+    # Siblings: nodes sorted by (parent row, token) must not repeat a pair.
+    node_parent = h["row_parent"][node_row]
+    order = np.lexsort((tok, node_parent))
+    key_p, key_t = node_parent[order], tok[order]
+    dup = (key_p[1:] == key_p[:-1]) & (key_t[1:] == key_t[:-1])
+    if dup.any():
+        g = int(order[np.flatnonzero(dup)[0] + 1])
+        raise ValueError(f"request {int(node_req[g])}: two children of node {int(par[g])} hold "
+                         f"the token {int(tok[g])} (siblings must have distinct tokens)")
+    path_rows = h["path_rows"]
+    path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)],
+                           -1)
+    # (one host-to-device copy for both token arrays)
+    both = torch.from_numpy(np.concatenate([row_token, path_tokens.reshape(-1)])).to(device)
+    d = shape.device
+    return TreeLayout(row_req=d["row_req"], row_node=d["row_node"], row_depth=d["row_depth"],
+                      row_token=both[:rows], row_parent=d["row_parent"],
+                      row_start=d["row_start"], children=d["children"],
+                      path_rows=d["path_rows"],
+                      path_tokens=both[rows:].view(rows, shape.depth), depth=shape.depth,
+                      max_rows=shape.max_rows, draft_start=d["draft_start"],
+                      k_given=d["k_given"])
 
 
 @dataclasses.dataclass
@@ -214,14 +280,20 @@ class TreePlan(Plan):
 
 
 def _tree_plan(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
-               tree: TreeLayout) -> TreePlan:
-    empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+               tree: TreeLayout, draft_probs: torch.Tensor | None = None) -> TreePlan:
+    empty = tree.row_start[:0]
+    draft_start = tree.draft_start
+    if draft_start is None:
+        draft_start = torch.zeros_like(tree.row_start)
+    k_given = tree.k_given
+    if k_given is None:
+        k_given = torch.full_like(tree.row_start, tree.depth)
     return TreePlan(
         logits=logits, batch=batch, num_draft=None, max_k=tree.depth, method="token",
-        positions=positions, draft_token_ids=empty, draft_logits=None, draft_probs=None,
-        row_start=tree.row_start, draft_start=torch.zeros_like(tree.row_start),
+        positions=positions, draft_token_ids=empty, draft_logits=None,
+        draft_probs=draft_probs, row_start=tree.row_start, draft_start=draft_start,
         row_req=tree.row_req, row_j=tree.row_depth, draft_req=empty, draft_j=empty,
-        k_given=torch.full_like(tree.row_start, tree.depth), tree=tree)
+        k_given=k_given, tree=tree)
 
 
 def _tree_ban_pairs(plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -526,8 +598,9 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         [N, D + 1, 1 + n] or None, invalid [N] bool.
 
     The tree layout is read on the host (one synchronisation for device tensors). Backends
-    (``api.select_backend``): on the Triton backend the kernels draw every node row and the
-    walk is PyTorch's (paths ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``,
+    (``api.select_backend``): on the Triton backend the kernels draw every node row and walk
+    deterministic trees without logprobs (``triton.verify_tree.walk``); other walks are
+    PyTorch's (paths ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``,
     ``triton.verify_tree.draft_probs.*`` with draft_probs; ``specsample.triton_backend.tree``);
     on the PyTorch backend ``torch.verify_tree.onehot`` / ``torch.verify_tree.draft_probs``.
 
@@ -575,8 +648,7 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
                              f"{device}")
     tree = build_tree_layout(m, par, tokens, device)
     pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
-    plan = _tree_plan(target_logits, batch, pos, tree)
-    plan = dataclasses.replace(plan, draft_probs=draft_probs)
+    plan = _tree_plan(target_logits, batch, pos, tree, draft_probs)
     # Recorded before running, so that a forbidden path raises before doing any work.
     if api.select_backend(device) == "triton":
         from .triton_backend import tree as triton_tree

@@ -540,7 +540,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
     and on the general path (float32 processed logits), and sample() with raw and processed
     logprobs on each of those paths (the logprob kernels), and the kernels of a device
-    ``num_draft_tokens`` (``layout.warm``), on
+    ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
     Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
     calls made.
@@ -611,6 +611,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
         # variants of a host num_draft_tokens)
         layout.warm(device)
+        from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
+
+        tree_kernels.warm(device, vocab_size, dtypes[0] if dtypes else torch.float32)
         return calls
 
     from ..api import select_backend

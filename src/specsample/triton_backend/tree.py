@@ -6,9 +6,10 @@ what the kernels draw for a ``verify()`` row of request ``row_req[r]`` at offset
 So the tree's rows go through the same launches as ``verify()``'s (``draw_rows``: the
 statistics kernel, the filter kernels when min_p / top_k / top_p are on, ``sample_kernel``)
 with ``row_j`` = the node's depth and every row live (``k_given`` = the batch's deepest depth D
-and D zero draft ids, so ``kernels._k_eff`` is D for every request). The walk and the outputs
-are the PyTorch backend's (``specsample.tree.walk``, ``assemble_output``), the logprobs come
-from the kernels' row statistics as in ``triton_backend.run``. Trees with ``draft_probs``
+and D zero draft ids, so ``kernels._k_eff`` is D for every request). Without logprobs the
+walk and the outputs are one launch (``walk_kernel``); with logprobs they are the PyTorch
+backend's (``specsample.tree.walk``, ``assemble_output``), the logprobs from the kernels' row
+statistics as in ``triton_backend.run``. Trees with ``draft_probs``
 draw their rows the same way, then walk by the PyTorch backend's recursive rejection sampling
 on the visited rows' distributions from those statistics.
 
@@ -17,6 +18,9 @@ synchronisation) and ``.general`` (logit_bias, penalties or bans: the rows are p
 PyTorch by ``specsample.tree._processed``, then the kernels draw at T = 1); with draft_probs
 ``triton.verify_tree.draft_probs.fused`` / ``.filtered`` / ``.general``; recorded by
 ``specsample.tree.verify_tree``; ``triton.logprobs.torch`` when logprobs are asked for.
+``triton.verify_tree.walk`` (one count per request): deterministic trees without logprobs
+walk in ``walk_kernel`` (the error bits, the walk and the outputs in one launch, no host
+synchronisation) instead of the PyTorch walk (about 60 small operations).
 """
 
 from __future__ import annotations
@@ -24,14 +28,125 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import paths
 from .. import tree as tree_mod
 from ..outputs import TreeVerifyOutput
-from . import _contiguous_rows, draw_rows, exact_rank_rows, kernels, stats_logprobs
+from ..torch_backend import ERR_DRAFT_ID, ERR_LOGITS_NAN, ERR_LOGITS_NO_FINITE
+from . import _contiguous_rows, _interpreting, draw_rows, exact_rank_rows, kernels, stats_logprobs
+from .launch import launch
 
 _FLAG_BAD = int(kernels.FLAG_BAD.value)
 _FLAG_FINITE = int(kernels.FLAG_FINITE.value)
+
+
+WALK_BLOCK_R = 128  # rows of a request's tree scanned per step for its error bits
+WALK_BLOCK_W = 16  # children of a node compared per step
+WALK_BLOCK_D = 32  # output positions written per step
+_BAD = kernels.FLAG_BAD
+_FINITE = kernels.FLAG_FINITE
+_E_NAN = tl.constexpr(ERR_LOGITS_NAN)
+_E_NO_FINITE = tl.constexpr(ERR_LOGITS_NO_FINITE)
+_E_ID = tl.constexpr(ERR_DRAFT_ID)
+
+
+@triton.jit(do_not_specialize=["V", "N", "R", "MAXR", "D", "W"])
+def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, row_parent_ptr,
+                row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W,
+                tok_ptr, nacc_ptr, node_ptr, invalid_ptr, err_ptr, HAS_ERR_IN: tl.constexpr,
+                BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program per request: the error bits, the sample-and-match walk and the outputs of
+    a deterministic tree (``specsample.tree._tree_errors``, ``_walk_match`` and
+    ``assemble_output`` without logprobs, in one launch).
+
+    y [R] int32: every node row's draw; stats [R, 3] float32 (column 2: the row's flags);
+    the layout as ``specsample.tree.TreeLayout`` (row_start [N], children [R, W], row_token,
+    row_parent, row_depth, row_node [R], path_rows [R, D + 1], int64); err_in [N] int64 (the
+    general path's bits, used instead of the rows' flags when HAS_ERR_IN). Writes token_ids
+    [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
+    int64. Children, path positions and rows are read in fixed blocks (two variants in all,
+    whatever the trees' width and depth: nothing to compile after warmup)."""
+    i = tl.program_id(0)
+    rs = tl.load(row_start_ptr + i)
+    nxt_start = tl.load(row_start_ptr + i + 1, mask=i + 1 < N, other=0)
+    re = tl.where(i + 1 < N, nxt_start, R)
+    if HAS_ERR_IN:
+        err = tl.load(err_in_ptr + i)
+    else:
+        # NaN / +inf in any row, a row without a finite logit, a node token outside [0, V)
+        e_nan = i * 0
+        e_fin = i * 0
+        e_id = i * 0
+        offs = tl.arange(0, BLOCK_R)
+        for c in range(0, MAXR, BLOCK_R):
+            r = rs + c + offs
+            m = r < re
+            flags = tl.load(stats_ptr + r * 3 + 2, mask=m, other=2.0).to(tl.int32)
+            bad = m & ((flags & _BAD) != 0)
+            no_fin = m & ((flags & _BAD) == 0) & ((flags & _FINITE) == 0)
+            par = tl.load(row_parent_ptr + r, mask=m, other=-1)
+            tok = tl.load(row_token_ptr + r, mask=m, other=0)
+            bad_id = m & (par >= 0) & ((tok < 0) | (tok >= V))
+            e_nan = tl.maximum(e_nan, tl.max(bad.to(tl.int32), axis=0))
+            e_fin = tl.maximum(e_fin, tl.max(no_fin.to(tl.int32), axis=0))
+            e_id = tl.maximum(e_id, tl.max(bad_id.to(tl.int32), axis=0))
+        err = (e_nan * _E_NAN + e_fin * _E_NO_FINITE + e_id * _E_ID).to(tl.int64)
+    # The walk: descend while the row's draw is a child's token (siblings hold distinct
+    # tokens: at most one child matches); D steps, a leaf or a miss stays where it is.
+    cur = rs
+    for _d in range(D):
+        yv = tl.load(y_ptr + cur).to(tl.int64)
+        nxt = cur * 0 - 1
+        for c0 in range(0, W, BLOCK_W):
+            kofs = c0 + tl.arange(0, BLOCK_W)
+            kids = tl.load(children_ptr + cur * W + kofs, mask=kofs < W, other=-1)
+            ktok = tl.load(row_token_ptr + kids, mask=kids >= 0, other=-2)
+            hit = tl.max(tl.where((kids >= 0) & (ktok == yv), kids, -1), axis=0)
+            nxt = tl.maximum(nxt, hit)
+        cur = tl.where(nxt >= 0, nxt, cur)
+    invalid = err != 0
+    nacc = tl.where(invalid, 0, tl.load(row_depth_ptr + cur))
+    emit = tl.load(y_ptr + cur).to(tl.int64)
+    for j0 in range(0, D + 1, BLOCK_D):
+        j = j0 + tl.arange(0, BLOCK_D)
+        path = tl.load(path_ptr + cur * (D + 1) + j + 1, mask=j < D, other=-1)  # depth j + 1
+        tok_j = tl.load(row_token_ptr + path, mask=path >= 0, other=-1)
+        out = tl.where(j < nacc, tok_j, tl.where(j == nacc, emit, -1))
+        out = tl.where(invalid, -1, out)
+        tl.store(tok_ptr + i * (D + 1) + j, out, mask=j <= D)
+        node = tl.load(row_node_ptr + path, mask=path >= 0, other=-1)
+        tl.store(node_ptr + i * D + j, tl.where((j < nacc) & ~invalid, node, -1), mask=j < D)
+    tl.store(nacc_ptr + i, nacc)
+    tl.store(invalid_ptr + i, invalid)
+    tl.store(err_ptr + i, err)
+
+
+def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
+          err_in: torch.Tensor | None) -> tuple[TreeVerifyOutput, torch.Tensor]:
+    """(TreeVerifyOutput without logprobs, [N] int64 ERR_* bits) of deterministic trees from
+    the rows' draws ``y`` and flags ``stats`` (``walk_kernel``, one launch)."""
+    tree, dev = plan.tree, plan.logits.device
+    n, rows, d = plan.num_requests, plan.num_rows, tree.depth
+    w = tree.children.shape[1]
+    token_ids = torch.empty(n, d + 1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    node_ids = torch.empty(n, d, dtype=torch.int64, device=dev)
+    invalid = torch.empty(n, dtype=torch.bool, device=dev)
+    err = torch.empty(n, dtype=torch.int64, device=dev)
+    paths.record("triton.verify_tree.walk", n)
+    launch(walk_kernel)[(n,)](
+        y, stats, tree.row_start, tree.children, tree.row_token, tree.row_parent,
+        tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
+        plan.vocab_size, n, rows, tree.max_rows, d, w, token_ids, num_accepted, node_ids,
+        invalid, err, HAS_ERR_IN=err_in is not None, BLOCK_W=WALK_BLOCK_W,
+        BLOCK_D=WALK_BLOCK_D, BLOCK_R=WALK_BLOCK_R,
+        num_warps=4 if not _interpreting(dev) else 1)
+    out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
+                           accepted_node_ids=node_ids, logprobs=None, logprob_token_ids=None,
+                           invalid=invalid)
+    return out, err
 
 
 def path_kind(batch) -> str:
@@ -69,8 +184,10 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         x = _contiguous_rows(plan.logits, "target")
         temp = batch.temperature
     # k_eff = D for every request (no -1 among the D draft ids): every row j <= D is live.
-    draft_ids = torch.zeros(max(tree.depth, 1), dtype=torch.int64, device=dev)
+    draft_ids = _zeros(max(tree.depth, 1), dev)
     _, _, _, y, stats, (cut_v, cut_i), _ = draw_rows(x, plan, temp, draft_ids, filtered)
+    if plan.draft_probs is None and batch.max_logprobs < 0:
+        return _walk(plan, y, stats, err if general else None)
     if not general:
         # The kernels' row flags as the row maxima ``_tree_errors`` reads: NaN for a NaN /
         # +inf row, -inf for a row without a finite logit, 0 otherwise.
@@ -88,3 +205,32 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     else:
         processed = None
     return tree_mod.assemble_output(plan, final, emit, invalid, processed), err
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64 zeros on ``device`` (the D draft ids; kept per size and device: the kernels
+    only read them)."""
+    key = (n, device)
+    t = _ZEROS.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = _ZEROS[key] = torch.zeros(n, dtype=torch.int64, device=device)
+    return t
+
+
+_ZEROS: dict = {}
+
+
+def warm(device: torch.device, vocab_size: int, dtype: torch.dtype) -> None:
+    """Launch ``walk_kernel``'s two variants (the rows' flags; the general path's error bits)
+    once on a small tree of ``dtype`` rows of ``vocab_size`` on ``device`` (``warmup()``)."""
+    from ..params import SamplingBatch, SamplingParams
+    from ..tree import verify_tree
+
+    v = vocab_size
+    x = torch.zeros(4, v, device=device, dtype=dtype)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0,
+                                                                   logit_bias={0: 1.0})):
+        batch = SamplingBatch.from_params([params], vocab_size=v, device=device)
+        verify_tree(x, [1, 2, 3], [0, 1, 1], [3], batch, strict=False,
+                    positions=torch.zeros(1, dtype=torch.int64, device=device))
