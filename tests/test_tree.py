@@ -525,7 +525,7 @@ def test_layout_of_interleaved_numbering():
     assert lay.path_tokens[4].tolist() == [11, 13, -1]
 
 
-def test_layout_structure_is_kept_and_tokens_are_not():
+def test_layout_structure_is_kept_and_tokens_are_not(monkeypatch):
     """A second call with the same num_nodes and parents reuses the structure (the same
     tensors) and lays out its own tokens; sibling checks and parent checks still run."""
     from specsample import tree as tree_mod
@@ -545,10 +545,24 @@ def test_layout_structure_is_kept_and_tokens_are_not():
     with pytest.raises(ValueError, match="parents"):
         tree_mod.build_tree_layout((6, 0), [0, 0, 1, 2, 1, 6], [1, 2, 3, 4, 5, 6],
                                    torch.device("cpu"))
-    for i in range(tree_mod._SHAPES_MAX + 5):  # (a bounded cache)
+    for i in range(tree_mod.SHAPE_CACHE_ENTRIES + 5):  # (a bounded cache, least recent out)
         tree_mod.build_tree_layout((1, i), [0] + [0] * i, list(range(1 + i)),
                                    torch.device("cpu"))
-    assert len(tree_mod._SHAPES) <= tree_mod._SHAPES_MAX
+        tree_mod.build_tree_layout((6, 0), parents, list(range(6)), torch.device("cpu"))
+    assert len(tree_mod._SHAPES) == tree_mod.SHAPE_CACHE_ENTRIES
+    assert tree_mod.build_tree_layout((6, 0), parents, list(range(6)),
+                                      torch.device("cpu")).children is a.children  # (kept)
+    for lay in (a, b):  # every structure tensor on a 16-byte boundary
+        for t in (lay.row_req, lay.row_node, lay.row_depth, lay.row_parent, lay.row_start,
+                  lay.children, lay.path_rows, lay.draft_start, lay.k_given, lay.row_token):
+            assert t.data_ptr() % 16 == 0
+    tree_mod.clear_layout_cache()
+    monkeypatch.setattr(tree_mod, "SHAPE_CACHE_BYTES", 1000)  # (too large to keep: not cached)
+    tree_mod.build_tree_layout((30,), [0] * 30, list(range(30)), torch.device("cpu"))
+    assert not tree_mod._SHAPES
+    with pytest.raises(ValueError, match="int64"):
+        tree_mod.verify_tree(torch.zeros(2, 5), [2**63], [0], [1],
+                             SamplingBatch.from_params([SamplingParams()], vocab_size=5))
 
 
 def test_forbidden_path_raises():
@@ -561,3 +575,17 @@ def test_forbidden_path_raises():
 def test_zz_report_pvalues():
     if PVALUES:
         print("\n" + "\n".join(f"{k}: p = {v:.3g}" for k, v in sorted(PVALUES.items())))
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+@pytest.mark.parametrize("kw", [dict(temperature=1e-5, top_p=0.9),
+                                dict(temperature=1.0, top_p=0.9, top_k=20, min_p=0.01)])
+def test_invalid_row_with_filters_is_flagged_not_raised(bad, kw):
+    # (a review found the filters reading the raw row maximum, +inf / NaN, of a request whose
+    # rows had been sanitised: an IndexError from the nucleus search)
+    batch = SamplingBatch.from_params([SamplingParams(seed=1, **kw)], vocab_size=300)
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    x[1, 3] = bad
+    out = specsample.verify_tree(x, [5], [0], [1], batch, positions=torch.tensor([0]),
+                                 strict=False)
+    assert out.invalid.tolist() == [True] and out.token_ids.tolist() == [[-1, -1]]

@@ -41,8 +41,10 @@ out per call.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,7 +58,7 @@ from .plan import Plan, _check_float_matrix, _num_draft_tuple, _positions
 from .processing import _allowed_rows, outputs_before_row, process_rows
 from .torch_backend import _or_per_request
 
-__all__ = ["TreeLayout", "TreePlan", "build_tree_layout", "verify_tree"]
+__all__ = ["TreeLayout", "TreePlan", "build_tree_layout", "clear_layout_cache", "verify_tree"]
 
 
 @dataclasses.dataclass
@@ -116,9 +118,10 @@ def _int_vector(name: str, t, m: int) -> np.ndarray:
             raise ValueError(f"{name} must be a 1-D int64 tensor or a list of ints") from None
         if a.size == 0:
             a = a.astype(np.int64)
-        if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got "
-                             f"{a.dtype} of shape {a.shape}")
+        if a.ndim != 1 or a.dtype.kind not in "iu" or (
+                a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max):
+            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints (int64), "
+                             f"got {a.dtype} of shape {a.shape}")
         a = a.astype(np.int64, copy=False)
     if a.shape[0] != m:
         raise ValueError(f"{name} has {a.shape[0]} entries; sum(num_nodes) = {m}")
@@ -143,10 +146,17 @@ def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.devic
     Raises:
         ValueError: a parent outside [0, own number - 1].
     """
-    key = (num_nodes, par.tobytes(), device)
-    hit = _SHAPES.get(key)
-    if hit is not None:
-        return hit
+    stream = None
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key = (num_nodes, par.tobytes(), device, stream)
+    with _SHAPES_LOCK:
+        hit = _SHAPES.get(key)
+        if hit is not None:
+            _SHAPES.move_to_end(key)
+            return hit
     m = np.asarray(num_nodes, dtype=np.int64)
     n = m.shape[0]
     total = int(m.sum())
@@ -192,21 +202,51 @@ def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.devic
         path_rows[r, d] = r
     host = dict(row_req=row_req, row_node=row_node, row_depth=depth, row_parent=row_parent,
                 row_start=row_start, children=children, path_rows=path_rows,
-                node_row=node_row, node_req=node_req)
+                node_row=node_row, node_req=node_req,
+                draft_start=np.zeros(n, dtype=np.int64),
+                k_given=np.full(n, d_max, dtype=np.int64))
+    device_keys = [k for k in host if k not in ("node_row", "node_req")]
+    # One copy for all of them, made on this stream like every later use; each starts on a
+    # 16-byte boundary (Triton specialises pointers on it: no new kernel variant per shape).
+    sizes = [host[k].size for k in device_keys]
+    starts = np.concatenate([[0], np.cumsum([-(-z // 2) * 2 for z in sizes])]).astype(int)
+    flat_host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for k, at, z in zip(device_keys, starts, sizes):
+        flat_host[at:at + z] = host[k].reshape(-1)
     with torch.inference_mode(False):  # (normal tensors: later calls may run outside it)
-        dev = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device)
-               for k, v in host.items() if k not in ("node_row", "node_req")}
-        dev["draft_start"] = torch.zeros_like(dev["row_start"])
-        dev["k_given"] = torch.full_like(dev["row_start"], d_max)
+        flat = torch.from_numpy(flat_host).to(device)
+        dev = {k: flat[at:at + z].view(host[k].shape)
+               for k, at, z in zip(device_keys, starts, sizes)}
     shape = _Shape(host=host, device=dev, depth=d_max, max_rows=int(m.max()) + 1 if n else 1)
-    if len(_SHAPES) >= _SHAPES_MAX:
-        _SHAPES.pop(next(iter(_SHAPES)))
-    _SHAPES[key] = shape
+    nbytes = 2 * sum(a.nbytes for a in host.values())
+    with _SHAPES_LOCK:
+        if nbytes <= SHAPE_CACHE_BYTES:
+            _SHAPES[key] = shape
+            _SHAPES_BYTES[key] = nbytes
+            while len(_SHAPES) > SHAPE_CACHE_ENTRIES or (
+                    sum(_SHAPES_BYTES.values()) > SHAPE_CACHE_BYTES):
+                old = next(iter(_SHAPES))
+                del _SHAPES[old], _SHAPES_BYTES[old]
     return shape
 
 
-_SHAPES: dict = {}
-_SHAPES_MAX = 64
+#: The tree structures kept (least recently used dropped first): at most this many, and at most
+#: this many bytes (host and device copies together). A tree shape that repeats from step to
+#: step (Medusa / EAGLE static trees, a fixed budget per request) stays; data-dependent shapes
+#: (prompt-lookup tries) miss and cost what they did before. Per CUDA stream: calls on
+#: another stream build their own (so no stream reads memory another stream's queue writes).
+SHAPE_CACHE_ENTRIES = 8
+SHAPE_CACHE_BYTES = 64 << 20
+_SHAPES: collections.OrderedDict = collections.OrderedDict()
+_SHAPES_BYTES: dict = {}
+_SHAPES_LOCK = threading.Lock()
+
+
+def clear_layout_cache() -> None:
+    """Drop the kept tree structures (:data:`SHAPE_CACHE_ENTRIES`); they are rebuilt on use."""
+    with _SHAPES_LOCK:
+        _SHAPES.clear()
+        _SHAPES_BYTES.clear()
 
 
 def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
@@ -225,6 +265,7 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     """
     par = np.asarray(parents, dtype=np.int64)
     tok = np.asarray(draft_token_ids, dtype=np.int64)
+    device = torch.device(device)
     shape = _tree_shape(tuple(num_nodes), par, device)
     h = shape.host
     node_row, node_req = h["node_row"], h["node_req"]
@@ -369,6 +410,7 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
     if bool(invalid.any()):
         clean = plan.logits.masked_fill(invalid[plan.row_req][:, None], 0.0)
         plan = dataclasses.replace(plan, logits=clean)
+        row_max = clean.amax(dim=-1)  # (the sanitised rows': the filters read it)
     proc_plan = plan
     if batch.needs_bans:
         y = _apply_tree_bans(plan)

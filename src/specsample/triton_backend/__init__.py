@@ -11,7 +11,8 @@ Paths (``specsample.paths``):
   penalties or bans; the processed float32 logits are materialised by ``specsample.processing``
   (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
-  deterministic trees, the same launches over the node rows (``tree.py``).
+  deterministic trees, the same launches over the node rows (``tree.py``);
+  ``triton.verify_tree.walk``: without logprobs, their walk and outputs in one more launch.
 * ``triton.logprobs.finish``: logprobs = 0 for every request that asks, whose values the
   sampling statistics give (processed mode, or raw mode at temperature 0 / 1 in a batch
   without top_k / top_p / min_p): ``finish_kernel`` writes them with the tokens, no launch

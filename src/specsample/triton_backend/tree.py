@@ -135,7 +135,6 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
     node_ids = torch.empty(n, d, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
-    paths.record("triton.verify_tree.walk", n)
     launch(walk_kernel)[(n,)](
         y, stats, tree.row_start, tree.children, tree.row_token, tree.row_parent,
         tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
@@ -185,8 +184,11 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         temp = batch.temperature
     # k_eff = D for every request (no -1 among the D draft ids): every row j <= D is live.
     draft_ids = _zeros(max(tree.depth, 1), dev)
+    walk_here = plan.draft_probs is None and batch.max_logprobs < 0
+    if walk_here:  # (recorded before the work, so that a forbidden path raises first)
+        paths.record("triton.verify_tree.walk", plan.num_requests)
     _, _, _, y, stats, (cut_v, cut_i), _ = draw_rows(x, plan, temp, draft_ids, filtered)
-    if plan.draft_probs is None and batch.max_logprobs < 0:
+    if walk_here:
         return _walk(plan, y, stats, err if general else None)
     if not general:
         # The kernels' row flags as the row maxima ``_tree_errors`` reads: NaN for a NaN /
@@ -208,9 +210,15 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
 
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    """[n] int64 zeros on ``device`` (the D draft ids; kept per size and device: the kernels
+    """[n] int64 zeros on ``device`` (the D draft ids; kept per size, device and CUDA stream,
+    as ``workspace.scratch``: the fill is queued on the stream that reads them; the kernels
     only read them)."""
-    key = (n, device)
+    stream = None
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key = (n, device, stream)
     t = _ZEROS.get(key)
     if t is None:
         with torch.inference_mode(False):
