@@ -120,6 +120,20 @@ def test_scratch_threads_and_inference_mode():
     workspace.release()
 
 
+def test_scratch_keeps_the_buffers_of_a_few_streams():
+    # (a caller making a new CUDA stream per call must not keep one set of buffers per
+    # stream it ever used; streams are faked here by their keys)
+    dev = torch.device("cpu")
+    workspace.release()
+    first = workspace._stream_cache(dev, 101)
+    assert workspace._stream_cache(dev, 101) is first
+    for s in range(workspace.SCRATCH_STREAMS):
+        workspace._stream_cache(dev, 200 + s)
+    assert len(workspace._LOCAL.streams) == workspace.SCRATCH_STREAMS
+    assert workspace._stream_cache(dev, 101) is not first  # (dropped, then made again)
+    workspace.release()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_scratch_per_stream_and_fresh_under_capture():
@@ -173,11 +187,13 @@ def test_garbage_in_the_triton_intermediates_never_reaches_a_result(monkeypatch)
     pos = torch.arange(3)
 
     def poison() -> int:
-        bufs = workspace._LOCAL.__dict__.get("scratch", {})
-        for (_name, dtype, _dev, _stream), b in bufs.items():
-            b.fill_(math.nan if dtype.is_floating_point else True if dtype == torch.bool
-                    else 3 if dtype == torch.int32 else 0x7FFFFFFF7FFFFFFF)
-        return len(bufs)
+        n = 0
+        for bufs, _views in workspace._LOCAL.__dict__.get("streams", {}).values():
+            for (_name, dtype), b in bufs.items():
+                b.fill_(math.nan if dtype.is_floating_point else True if dtype == torch.bool
+                        else 3 if dtype == torch.int32 else 0x7FFFFFFF7FFFFFFF)
+                n += 1
+        return n
 
     def calls(params):
         b = SamplingBatch.from_params(params, vocab_size=v)

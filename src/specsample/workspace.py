@@ -14,6 +14,7 @@ sums, candidate buffers: a dozen small tensors per call). A ``torch.empty`` on C
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 
@@ -44,8 +45,30 @@ def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     return buf[:n].view(shape)
 
 
-#: Cached shapes per thread before the cache starts over (each is a view of its name's buffer).
+#: Cached shapes per thread and stream before that stream's cache starts over (each is a view
+#: of its name's buffer).
 SCRATCH_VIEWS = 4096
+#: CUDA streams per thread whose buffers are kept: a call on one more drops the buffers of the
+#: stream that was first seen longest ago (a caller making a new stream per call keeps a few
+#: sets of buffers alive, not one per stream it ever used).
+SCRATCH_STREAMS = 4
+
+
+def _stream_cache(device: torch.device, stream) -> tuple[dict, dict]:
+    """(buffers by (name, dtype), views by (name, shape, dtype)) of this thread on ``device``
+    and ``stream``."""
+    caches = _LOCAL.__dict__.get("streams")
+    if caches is None:
+        caches = _LOCAL.streams = collections.OrderedDict()
+    key = (device, stream)
+    entry = caches.get(key)
+    if entry is None:
+        entry = caches[key] = ({}, {})
+        while len(caches) > SCRATCH_STREAMS:
+            # (the allocator keeps the dropped memory for its stream until the kernels queued
+            # on it have run)
+            caches.popitem(last=False)
+    return entry
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -56,10 +79,11 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     The same tensor object every time this thread asks for the same (name, shape, dtype,
     device) on the same CUDA stream: a view of a per-name buffer that keeps the largest size
     asked for. Kernels on one stream run in order, so the next call's kernels cannot overwrite
-    what this call's still read; calls on another stream or thread get their own buffers.
-    While the current stream captures a CUDA graph: a new tensor (the graph's memory pool
-    keeps it for the graph). So two live tensors of one call must use two names, and a
-    result handed to the caller must never be one of these.
+    what this call's still read; calls on another stream or thread get their own buffers (the
+    buffers of :data:`SCRATCH_STREAMS` streams per thread are kept). While the current stream
+    captures a CUDA graph: a new tensor (the graph's memory pool keeps it for the graph). So
+    two live tensors of one call must use two names, and a result handed to the caller must
+    never be one of these.
     """
     stream = None
     if device.type == "cuda":
@@ -68,17 +92,13 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch._C._cuda_getCurrentRawStream(index)
         device = torch.device("cuda", index)
-    key = (name, shape, dtype, device, stream)
-    views = _LOCAL.__dict__.get("views")
-    if views is not None:
-        t = views.get(key)
-        if t is not None:
-            return t
-    else:
-        views = _LOCAL.views = {}
-    bufs = _LOCAL.__dict__.setdefault("scratch", {})
+    bufs, views = _stream_cache(device, stream)
+    key = (name, shape, dtype)
+    t = views.get(key)
+    if t is not None:
+        return t
     n = math.prod(shape)
-    bkey = (name, dtype, device, stream)
+    bkey = (name, dtype)
     buf = bufs.get(bkey)
     # (normal tensors and views even under torch.inference_mode(): see buffer())
     with torch.inference_mode(False):
@@ -86,7 +106,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
             # (dropping the old buffer's views; the allocator keeps its memory for this stream
             # until the kernels queued on it have run)
             buf = bufs[bkey] = torch.empty(max(n, 1), dtype=dtype, device=device)
-            for k in [k for k in views if k[0] == name and k[2:] == bkey[1:]]:
+            for k in [k for k in views if k[0] == name and k[2] == dtype]:
                 del views[k]
         if len(views) >= SCRATCH_VIEWS:
             views.clear()
@@ -96,5 +116,5 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def release() -> None:
     """Free this thread's buffers (they are allocated again on the next call)."""
-    for name in ("bufs", "scratch", "views"):
+    for name in ("bufs", "streams"):
         _LOCAL.__dict__.pop(name, None)
