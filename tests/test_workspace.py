@@ -120,6 +120,15 @@ def test_scratch_threads_and_inference_mode():
     workspace.release()
 
 
+def test_zeros_are_kept_and_zero():
+    dev = torch.device("cpu")
+    workspace.release()
+    z = workspace.zeros((3,), torch.int64, dev)
+    assert z.tolist() == [0, 0, 0] and workspace.zeros((3,), torch.int64, dev) is z
+    assert workspace.scratch("<zeros>", (3,), torch.int64, dev) is not z
+    workspace.release()
+
+
 def test_scratch_keeps_the_buffers_of_a_few_streams():
     # (a caller making a new CUDA stream per call must not keep one set of buffers per
     # stream it ever used; streams are faked here by their keys)

@@ -230,6 +230,9 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
             bad_prefix[w, width - len(word) + 1:] = torch.tensor(word[:-1])
     sampled = [not p.greedy for p in params]
     top_k = [0 if p.top_k in (0, -1) else min(p.top_k, vocab_size) for p in params]
+    # sampled requests that rank their row (top_k below V, or top_p)
+    rank = [s and (k > 0 and k < vocab_size or p.top_p < 1)
+            for s, k, p in zip(sampled, top_k, params)]
     return dict(
         temperature=f32([_normal(p.temperature) if p.temperature > 0 else 0.0 for p in params]),
         top_k=i64(top_k),
@@ -256,10 +259,8 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
         user_seeded=any(p.seed is not None for p in params),
         any_greedy=not all(sampled),
         any_sampled=any(sampled),
-        needs_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1 or p.min_p > 0)
-                         for s, k, p in zip(sampled, top_k, params)),
-        needs_rank_filter=any(s and (k > 0 and k < vocab_size or p.top_p < 1)
-                              for s, k, p in zip(sampled, top_k, params)),
+        needs_filter=any(r or s and p.min_p > 0 for r, s, p in zip(rank, sampled, params)),
+        needs_rank_filter=any(rank),
         needs_penalties=any(_penalised(p) for p in params),
         needs_bias=bool(bias_req),
         needs_bans=bool(stop_req or allowed_users or words),

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import api, paths, rng, torch_backend
+from . import api, paths, rng, torch_backend, workspace
 from .errors import SamplingError
 from .outputs import TreeVerifyOutput
 from .params import SamplingBatch
@@ -88,9 +88,9 @@ class TreeLayout:
     path_rows: torch.Tensor
     path_tokens: torch.Tensor
     depth: int
-    max_rows: int = 1  # the most rows of one request (its nodes and root)
-    draft_start: torch.Tensor | None = None  # [N] zeros (the plan's; kept with the structure)
-    k_given: torch.Tensor | None = None  # [N] all D (the plan's)
+    max_rows: int  # the most rows of one request (its nodes and root)
+    draft_start: torch.Tensor  # [N] zeros (the plan's; kept with the structure)
+    k_given: torch.Tensor  # [N] all D (the plan's)
 
 
 def _num_nodes_tuple(num_nodes, n: int) -> tuple[int, ...]:
@@ -146,11 +146,7 @@ def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.devic
     Raises:
         ValueError: a parent outside [0, own number - 1].
     """
-    stream = None
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    device, stream = workspace.stream_key(device)
     key = (num_nodes, par.tobytes(), device, stream)
     with _SHAPES_LOCK:
         hit = _SHAPES.get(key)
@@ -323,18 +319,12 @@ class TreePlan(Plan):
 def _tree_plan(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
                tree: TreeLayout, draft_probs: torch.Tensor | None = None) -> TreePlan:
     empty = tree.row_start[:0]
-    draft_start = tree.draft_start
-    if draft_start is None:
-        draft_start = torch.zeros_like(tree.row_start)
-    k_given = tree.k_given
-    if k_given is None:
-        k_given = torch.full_like(tree.row_start, tree.depth)
     return TreePlan(
         logits=logits, batch=batch, num_draft=None, max_k=tree.depth, method="token",
         positions=positions, draft_token_ids=empty, draft_logits=None,
-        draft_probs=draft_probs, row_start=tree.row_start, draft_start=draft_start,
+        draft_probs=draft_probs, row_start=tree.row_start, draft_start=tree.draft_start,
         row_req=tree.row_req, row_j=tree.row_depth, draft_req=empty, draft_j=empty,
-        k_given=k_given, tree=tree)
+        k_given=tree.k_given, tree=tree)
 
 
 def _tree_ban_pairs(plan: TreePlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,6 +54,15 @@ SCRATCH_VIEWS = 4096
 SCRATCH_STREAMS = 4
 
 
+def stream_key(device: torch.device) -> tuple[torch.device, int | None]:
+    """(device with its index, the current CUDA stream's handle) for a CUDA ``device``;
+    (``device``, None) elsewhere: what per-stream caches key by."""
+    if device.type != "cuda":
+        return device, None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index), torch._C._cuda_getCurrentRawStream(index)
+
+
 def _stream_cache(device: torch.device, stream) -> tuple[dict, dict]:
     """(buffers by (name, dtype), views by (name, shape, dtype)) of this thread on ``device``
     and ``stream``."""
@@ -78,21 +87,17 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
     The same tensor object every time this thread asks for the same (name, shape, dtype,
     device) on the same CUDA stream: a view of a per-name buffer that keeps the largest size
-    asked for. Kernels on one stream run in order, so the next call's kernels cannot overwrite
-    what this call's still read; calls on another stream or thread get their own buffers (the
-    buffers of :data:`SCRATCH_STREAMS` streams per thread are kept). While the current stream
-    captures a CUDA graph: a new tensor (the graph's memory pool keeps it for the graph). So
-    two live tensors of one call must use two names, and a result handed to the caller must
-    never be one of these.
+    asked for (each name its own buffer, so every such tensor starts on a 16-byte boundary,
+    which Triton specialises pointers on). Kernels on one stream run in order, so the next
+    call's kernels cannot overwrite what this call's still read; calls on another stream or
+    thread get their own buffers (the buffers of :data:`SCRATCH_STREAMS` streams per thread
+    are kept). While the current stream captures a CUDA graph: a new tensor (the graph's
+    memory pool keeps it for the graph). So two live tensors of one call must use two names,
+    and a result handed to the caller must never be one of these.
     """
-    stream = None
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty(shape, dtype=dtype, device=device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        device = torch.device("cuda", index)
-    bufs, views = _stream_cache(device, stream)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=dtype, device=device)
+    bufs, views = _stream_cache(*stream_key(device))
     key = (name, shape, dtype)
     t = views.get(key)
     if t is not None:
@@ -111,6 +116,22 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
         if len(views) >= SCRATCH_VIEWS:
             views.clear()
         t = views[key] = buf[:n].view(shape)
+    return t
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor that kernels only read (placeholder ids), kept as :func:`scratch` keeps
+    its tensors (per thread and CUDA stream: the fill is queued on the stream that reads it;
+    new under CUDA-graph capture). Never write it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    dev, stream = stream_key(device)
+    _bufs, views = _stream_cache(dev, stream)
+    key = (None, shape, dtype)  # (no scratch name is None)
+    t = views.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = views[key] = torch.zeros(shape, dtype=dtype, device=dev)
     return t
 
 

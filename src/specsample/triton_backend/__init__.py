@@ -84,24 +84,17 @@ def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int,
     return s, cps, nt
 
 
-def _scratch(name: str, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
-    """A call's intermediate (``workspace.scratch``: the same tensor again at the next call
-    of this shape on this stream; each starts its own buffer, so on a 16-byte boundary, which
-    Triton specialises pointers on)."""
-    return workspace.scratch(name, shape, dtype, device)
-
-
 def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_extra: int,
                   temp, *, is_probs: bool, write_tiles: bool, write_top: bool = False,
                   name: str = "target"):
     rows, vocab = x.shape
     dev = x.device
     s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
-    part_m = _scratch(name + ".part_m", (rows, s), torch.float32, dev)
-    part_s = _scratch(name + ".part_s", (rows, s), torch.float32, dev)
-    part_f = _scratch(name + ".part_f", (rows, s), torch.int32, dev)
+    part_m = workspace.scratch(name + ".part_m", (rows, s), torch.float32, dev)
+    part_s = workspace.scratch(name + ".part_s", (rows, s), torch.float32, dev)
+    part_f = workspace.scratch(name + ".part_f", (rows, s), torch.int32, dev)
     tshape = (rows if write_tiles else 1, nt)
-    tiles = [_scratch(f"{name}.tiles{i}", tshape, torch.float32, dev) for i in range(3)]
+    tiles = [workspace.scratch(f"{name}.tiles{i}", tshape, torch.float32, dev) for i in range(3)]
     if rows:
         launch(kernels.stats_kernel)[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
@@ -116,23 +109,6 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
 
 def _tiles_per_chunk(device: torch.device) -> int:
     return 2 if _interpreting(device) else TILES_PER_CHUNK
-
-
-@functools.lru_cache(maxsize=8)
-def _no_drafts_on(device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):
-        return torch.zeros(1, dtype=torch.int64, device=device)
-
-
-def _no_drafts(device: torch.device) -> torch.Tensor:
-    """[1] int64 zeros: the draft ids of a call without drafts (read by nothing; one per
-    device)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():  # (the graph's memory, not a cached one)
-            return torch.zeros(1, dtype=torch.int64, device=device)
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return _no_drafts_on(device)
 
 
 def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -206,19 +182,20 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
         math.ceil(nt * rows / (FILTER_GATHER_PROGRAMS * _num_programs_target(dev))))
     sg = math.ceil(nt / tps)
     cap = FILTER_CAP_INTERPRETED if _interpreting(dev) else FILTER_CAP
-    cand = _scratch("filter.cand", (rows, cap), torch.int64, dev)
-    count = _scratch("filter.count", (rows,), torch.int32, dev)  # (bounds_kernel zeroes it)
-    tail = _scratch("filter.tail", (rows, sg), torch.float64, dev)
-    cut_v = _scratch("filter.cut_v", (rows,), torch.float32, dev)
-    cut_i = _scratch("filter.cut_i", (rows,), torch.int32, dev)
+    cand = workspace.scratch("filter.cand", (rows, cap), torch.int64, dev)
+    # (zeroed by bounds_kernel)
+    count = workspace.scratch("filter.count", (rows,), torch.int32, dev)
+    tail = workspace.scratch("filter.tail", (rows, sg), torch.float64, dev)
+    cut_v = workspace.scratch("filter.cut_v", (rows,), torch.float32, dev)
+    cut_i = workspace.scratch("filter.cut_i", (rows,), torch.int32, dev)
     row_args = (x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
                 plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
                 *parts, s, tiles[0], tiles[1], tiles[2], nt)
     meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
                 S_MAX=S_MAX, BLOCK=BLOCK)
     if batch.needs_rank_filter:  # (min_p alone: its cut needs no candidates)
-        bnd = _scratch("filter.bnd", (rows, 4), torch.int64, dev)
-        mt = _scratch("filter.mt", (rows, 2), torch.float32, dev)
+        bnd = workspace.scratch("filter.bnd", (rows, 4), torch.int64, dev)
+        mt = workspace.scratch("filter.mt", (rows, 2), torch.float32, dev)
         launch(filters.bounds_kernel)[(rows,)](*row_args, bnd, mt, count,
                                                NT_PAD=meta["NT_PAD"],
                                                SHIFT=meta["SHIFT"], S_MAX=S_MAX, BLOCK=BLOCK,
@@ -226,8 +203,8 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
         launch(filters.gather_kernel)[(rows, sg)](
             x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tps, bnd, mt,
             cand, count, tail, CAP=cap, SHIFT=meta["SHIFT"], BLOCK=BLOCK, num_warps=warps)
-    hist = _scratch("filter.hist", (rows, filters.NB.value), torch.int32, dev)
-    done = _scratch("filter.done", (rows,), torch.int32, dev)
+    hist = workspace.scratch("filter.hist", (rows, filters.NB.value), torch.int32, dev)
+    done = workspace.scratch("filter.done", (rows,), torch.int32, dev)
     launch(filters.select_kernel)[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
                                            _filter_counters(dev), hist, done, **meta,
                                            num_warps=warps)
@@ -257,8 +234,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
         x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
         write_tiles=True, write_top=filtered or rank)
-    y = _scratch("y", (rows,), torch.int32, dev)
-    stats = _scratch("stats", (rows, 3), torch.float32, dev)
+    y = workspace.scratch("y", (rows,), torch.int32, dev)
+    stats = workspace.scratch("stats", (rows, 3), torch.float32, dev)
     # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
     cut_v, cut_i = part_m, part_m.view(torch.int32)
     if filtered:
@@ -267,8 +244,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     npad = logprobs_kernels.NPAD
     ranking = None
     if rank:
-        ranking = (_scratch("rank.keys", (rows, npad), torch.int64, dev),
-                   _scratch("rank.count", (rows,), torch.int32, dev))
+        ranking = (workspace.scratch("rank.keys", (rows, npad), torch.int64, dev),
+                   workspace.scratch("rank.count", (rows,), torch.int32, dev))
     if rows:
         launch(kernels.sample_kernel)[(rows,)](
             x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
@@ -344,7 +321,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         x = _contiguous_rows(plan.logits, "target")
         temp = batch.temperature
     req_temp = batch.temperature
-    draft_ids = plan.draft_token_ids if plan.draft_token_ids.numel() else _no_drafts(dev)
+    draft_ids = (plan.draft_token_ids if plan.draft_token_ids.numel()
+                 else workspace.zeros((1,), torch.int64, dev))  # (read by no kernel)
     fused_logprobs = batch.max_logprobs >= 0 and logprobs_kernels.supported(plan, general)
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking = draw_rows(
         x, plan, temp, draft_ids, filtered, rank=fused_logprobs and batch.max_logprobs > 0)
@@ -368,8 +346,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
-    res_row = _scratch("res_row", (n,), torch.int64, dev)
-    res_rho = _scratch("res_rho", (n,), torch.float32, dev)
+    res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
+    res_rho = workspace.scratch("res_rho", (n,), torch.float32, dev)
     # logprobs = 0 for everyone, from the statistics alone: finish_kernel writes them with the
     # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
     lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
@@ -401,7 +379,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         # requests' scalars), then the masses in parallel over (draft row, split).
         rho_row = torch.full((n_drafts,), -1.0, dtype=torch.float32, device=dev)
         sb, bcps, _ = _splits(n_drafts, plan.vocab_size, 1, dev)
-        bmass = _scratch("block.mass", (n_drafts, sb), torch.float32, dev)
+        bmass = workspace.scratch("block.mass", (n_drafts, sb), torch.float32, dev)
         finish(rho_only=True)
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
@@ -411,7 +389,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     finish(rho_only=False)
 
     if plan.has_draft_dist:
-        mass = _scratch("residual.mass", (n, nt), torch.float32, dev)
+        mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
         rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
         launch(kernels.residual_mass_kernel)[(n, rs)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import paths
+from .. import paths, workspace
 from .. import tree as tree_mod
 from ..outputs import TreeVerifyOutput
 from ..torch_backend import ERR_DRAFT_ID, ERR_LOGITS_NAN, ERR_LOGITS_NO_FINITE
@@ -183,7 +183,7 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
         x = _contiguous_rows(plan.logits, "target")
         temp = batch.temperature
     # k_eff = D for every request (no -1 among the D draft ids): every row j <= D is live.
-    draft_ids = _zeros(max(tree.depth, 1), dev)
+    draft_ids = workspace.zeros((max(tree.depth, 1),), torch.int64, dev)
     walk_here = plan.draft_probs is None and batch.max_logprobs < 0
     if walk_here:  # (recorded before the work, so that a forbidden path raises first)
         paths.record("triton.verify_tree.walk", plan.num_requests)
@@ -207,26 +207,6 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     else:
         processed = None
     return tree_mod.assemble_output(plan, final, emit, invalid, processed), err
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    """[n] int64 zeros on ``device`` (the D draft ids; kept per size, device and CUDA stream,
-    as ``workspace.scratch``: the fill is queued on the stream that reads them; the kernels
-    only read them)."""
-    stream = None
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-    key = (n, device, stream)
-    t = _ZEROS.get(key)
-    if t is None:
-        with torch.inference_mode(False):
-            t = _ZEROS[key] = torch.zeros(n, dtype=torch.int64, device=device)
-    return t
-
-
-_ZEROS: dict = {}
 
 
 def warm(device: torch.device, vocab_size: int, dtype: torch.dtype) -> None:
