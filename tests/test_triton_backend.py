@@ -9,6 +9,8 @@ number of draws made here (the fixed seeds make that a checked fact, not a hope)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -282,6 +284,112 @@ def test_placeholders_and_invalid_rows():
     _compare(logits, d, ks, batch, pos, extra, "token")
 
 
+@pytest.mark.parametrize("kind,method,lps,one_launch", [
+    ("onehot", "token", None, True), ("onehot", "block", [(0, "processed"), (0, "raw")], True),
+    ("onehot", "token", [(0, "processed"), (5, "raw")], False),
+    ("draft_logits", "block", None, False), ("draft_probs", "token", None, False)])
+def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, one_launch):
+    # An eager call without filters, draft distributions or top-n logprobs is one launch
+    # (kernels.stats_draw_kernel: the last of a row's split programs draws the row, the last
+    # live row of a request finishes it, through counters that must end at zero); graph
+    # capture takes the statistics, sampling and finish launches, and so do the other calls.
+    # Same outputs, with several splits per row (more programs wanted than rows),
+    # placeholders, a NaN row, an empty row and a greedy request; and each is the path that
+    # ran (specsample.paths). Every intermediate starts as garbage (NaN, -1), so a draw or a
+    # finish that ran before the writes it needs would show.
+    from specsample import workspace
+    from test_triton_logprobs import _with_logprobs
+
+    scratch = workspace.scratch
+
+    def poisoned(*args):
+        t = scratch(*args)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(workspace, "scratch", poisoned)
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
+    vocab = 8197  # 5 tiles: 3 splits of a row
+    logits, d, ks, batch, pos, extra = _case(21, 5, vocab, torch.bfloat16, kind,
+                                             placeholders=True)
+    logits[1, 7] = float("nan")
+    logits[-1] = float("-inf")
+    params = [dataclasses.replace(p, temperature=0.0) if i == 2 else p
+              for i, p in enumerate(batch.params)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    if lps is not None:
+        batch = _with_logprobs(batch, lps, vocab)
+    assert not batch.needs_filter and not batch.needs_general_path
+    assert triton_backend._splits(logits.shape[0], vocab, 2, logits.device)[0] == 3
+
+    def call():
+        paths.reset()
+        out = specsample.verify(logits, d, ks, batch, positions=pos, method=method,
+                                strict=False, **extra)
+        return out, paths.counts()
+
+    one, counts = call()
+    if not one_launch:
+        assert "triton.one_launch" not in counts
+        return
+    assert counts["triton.one_launch"]["rows"] == logits.shape[0]
+    assert not workspace.counters("draw", (logits.shape[0] + 5,), logits.device).any()
+    again, _ = call()  # (the counters were left at zero: the next launch works as well)
+    with triton_backend.separate_launches():
+        sep, counts = call()
+    assert "triton.one_launch" not in counts
+    assert one.invalid.any() and not one.invalid.all()
+    for out in (again, sep):
+        for name in ("token_ids", "num_accepted", "invalid", "logprobs", "logprob_token_ids"):
+            a, b = getattr(one, name), getattr(out, name)
+            assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
+    # sample(): one row per request
+    one = specsample.sample(logits[:5], batch, positions=pos, strict=False)
+    with triton_backend.separate_launches():
+        sep = specsample.sample(logits[:5], batch, positions=pos, strict=False)
+    assert torch.equal(one.token_ids.cpu(), sep.token_ids.cpu())
+
+
+@pytest.mark.parametrize("counts", ["ok", "request_error", "batch_error", "negative"])
+def test_one_launch_with_device_layouts(monkeypatch, counts):
+    # Device num_draft_tokens: rows laid out on the device, with a request whose count
+    # exceeds max_num_draft_tokens (its k_given 0), counts that do not add up to the drafts
+    # (rows no request owns, mapped to the last request past its k_given: never live), or a
+    # negative count. Every request is still finished exactly once and every row drawn once:
+    # the same outputs and error bits as the separate launches, the counters back at zero.
+    from specsample import workspace
+    from specsample.triton_backend import layout
+
+    monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
+    vocab = 8197
+    logits, d, ks, batch, pos, extra = _case(21, 5, vocab, torch.bfloat16, "onehot",
+                                             placeholders=True)
+    k, max_k = list(ks), max(ks)
+    if counts == "request_error":
+        max_k -= 1
+    elif counts == "batch_error":
+        k[0] += 1
+    elif counts == "negative":
+        k[0] = -1
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks, draft_logits=None,
+                      draft_probs=None, positions=pos, method="token")
+    lay = layout.device_layout(torch.tensor(k, device=DEVICE), max_k, logits.shape[0],
+                               d.numel())
+    names = ("row_start", "draft_start", "row_req", "row_j", "draft_req", "draft_j", "k_given")
+    plan = dataclasses.replace(plan, **dict(zip(names, lay[:7])), layout_err=lay[7],
+                               num_draft=None, max_k=max_k)
+    paths.reset()
+    one, err_one = triton_backend.run(plan, "verify")
+    assert "triton.one_launch" in paths.counts()
+    with triton_backend.separate_launches():
+        sep, err_sep = triton_backend.run(plan, "verify")
+    assert torch.equal(err_one, err_sep)
+    assert bool((plan.layout_err != 0).any()) == (counts != "ok")  # (the case it means to be)
+    for name in ("token_ids", "num_accepted", "invalid"):
+        assert torch.equal(getattr(one, name), getattr(sep, name)), name
+    assert not workspace.counters("draw", (logits.shape[0] + 5,), logits.device).any()
+
+
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 4), vocab=st.integers(2, 700),
@@ -369,7 +477,8 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
         d = draft_logits if draft_logits is not None else draft_probs
         kind = "logits" if draft_logits is not None else "probs" if d is not None else "onehot"
         seen.add((target.dtype, kind, None if d is None else d.dtype, method,
-                  isinstance(k, torch.Tensor), batch.needs_filter, batch.needs_general_path))
+                  isinstance(k, torch.Tensor), batch.needs_filter, batch.needs_general_path,
+                  triton_backend.one_launch(target.device)))
 
     monkeypatch.setattr(api, "verify", verify)
     monkeypatch.setattr(api, "sample", lambda *a, **kw: None)
@@ -384,11 +493,15 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
     for dtype in dtypes:
         for filt, general in ((False, False), (True, False), (True, True)):
             for method in ("token", "block"):
-                assert (dtype, "onehot", None, method, False, filt, general) in seen
+                assert (dtype, "onehot", None, method, False, filt, general, True) in seen
                 for ddtype in dtypes:
                     for kind in ("logits", "probs"):
-                        assert (dtype, kind, ddtype, method, False, filt, general) in seen, (
-                            dtype, kind, ddtype, method, filt, general)
+                        assert (dtype, kind, ddtype, method, False, filt, general,
+                                True) in seen, (dtype, kind, ddtype, method, filt, general)
+        # the calls that take the single launch when eager, again with the separate launches
+        # of graph capture (triton_backend.one_launch): unfiltered, the general path
+        for filt, general in ((False, False), (True, True)):
+            assert (dtype, "onehot", None, "token", False, filt, general, False) in seen
     assert warmed == [torch.device("cpu")]  # the layout kernels (device num_draft_tokens)
 
 

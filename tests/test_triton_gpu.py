@@ -6,7 +6,9 @@ the fused path, and the warmup compile guard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -171,6 +173,15 @@ def _warmup_then_no_compilation():
     report = triton_backend.warmup_report()
     assert "error" not in report, report
     assert report["failed"] == [] and report["compiled"] + report["cached"] == report["variants"]
+    # eager calls (the single launch) and the separate launches of graph capture
+    for separate in (False, True):
+        with triton_backend.separate_launches() if separate else contextlib.nullcontext():
+            _calls_after_warmup(vocab)
+    assert triton_backend.compilations_after_warmup() == []
+    paths.reset()
+
+
+def _calls_after_warmup(vocab):
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for kind in ("onehot", "draft_logits", "draft_probs"):
@@ -204,8 +215,6 @@ def _warmup_then_no_compilation():
                 device="cuda")
             specsample.sample(logits[:8], lp, positions=torch.arange(8, device="cuda"),
                               strict=False)
-    assert triton_backend.compilations_after_warmup() == []
-    paths.reset()
 
 
 def test_cuda_graph_replays_draw_fresh_noise_without_positions():
@@ -326,3 +335,35 @@ def test_capture_refuses_the_general_path():
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             specsample.sample(logits, batch, positions=pos, strict=False)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("n,vocab", [(2, 248320), (16, 151936), (128, 151936)])
+def test_one_launch_matches_separate_launches_under_load(n, vocab):
+    # The single launch of eager calls (kernels.stats_draw_kernel) hands each row from its
+    # split programs to the one that draws it, and each request from its rows to the one that
+    # finishes it, through acquire-release counters: a missing barrier or fence would show as
+    # a token or logprob that differs now and then. Many calls (greedy and sampled requests,
+    # logprobs 0 for some), against the separate launches of graph capture (and a graph
+    # replay of them); the counters end at zero.
+    from specsample import triton_backend, workspace
+
+    logits, d, ks, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=n, seed=n)
+    batch = SamplingBatch.from_params(
+        [dataclasses.replace(p, logprobs=0 if i % 3 == 0 else None)
+         for i, p in enumerate(batch.params)], vocab_size=vocab, device="cuda")
+    call = functools.partial(specsample.verify, logits, d, ks, batch, positions=pos,
+                             strict=False)
+    with triton_backend.separate_launches():
+        want = call()
+    graph, out = capture_graph(call)
+    graph.replay()
+    torch.cuda.synchronize()
+    results = [call() for _ in range(40)] + [out]
+    paths.reset()
+    call()
+    assert "triton.one_launch" in paths.counts()
+    for got in results:
+        for name in ("token_ids", "num_accepted", "logprobs", "logprob_token_ids"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    done = workspace.counters("draw", (logits.shape[0] + n,), torch.device("cuda"))
+    assert not done.any()

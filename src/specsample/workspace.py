@@ -123,11 +123,23 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """A zero tensor that kernels only read (placeholder ids), kept as :func:`scratch` keeps
     its tensors (per thread and CUDA stream: the fill is queued on the stream that reads it;
     new under CUDA-graph capture). Never write it."""
+    return _kept_zeros(None, shape, dtype, device)
+
+
+def counters(name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An int32 tensor of zeros kept per thread and CUDA stream like :func:`zeros`, for
+    counters that a kernel increments and sets back to 0 before it ends (the launch after
+    it finds zeros again); new, zero-filled by the graph, under CUDA-graph capture."""
+    return _kept_zeros(("counters", name), shape, torch.int32, device)
+
+
+def _kept_zeros(name, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(shape, dtype=dtype, device=device)
     dev, stream = stream_key(device)
     _bufs, views = _stream_cache(dev, stream)
-    key = (None, shape, dtype)  # (no scratch name is None)
+    key = (name, shape, dtype)  # (scratch names are strings)
     t = views.get(key)
     if t is None:
         with torch.inference_mode(False):

@@ -15,14 +15,18 @@ Paths (``specsample.paths``):
   ``triton.verify_tree.walk``: without logprobs, their walk and outputs in one more launch.
 * ``triton.logprobs.finish``: logprobs = 0 for every request that asks, whose values the
   sampling statistics give (processed mode, or raw mode at temperature 0 / 1 in a batch
-  without top_k / top_p / min_p): ``finish_kernel`` writes them with the tokens, no launch
-  of their own.
+  without top_k / top_p / min_p): the request's finish (``finish_kernel``, or the single
+  launch's) writes them with the tokens, no launch of their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
   launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
 * ``triton.logprobs.torch``: more than 32 top-n logprobs, or ``verify_tree()``: the emitted
   rows are gathered and their log-distributions computed with PyTorch from the kernels' row
   statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
+* ``triton.one_launch``: an eager call whose rows were read, drawn and finished in one launch
+  (``kernels.stats_draw_kernel``; :func:`one_launch` says when: no filters, no draft
+  distributions, no top-n logprobs, not under graph capture). Other calls take the separate
+  statistics / sampling / finish launches and are not counted here.
 
 On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
 before triton is imported); that is how the CPU test suite runs them.
@@ -30,6 +34,8 @@ before triton is imported); that is how the CPU test suite runs them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -59,6 +65,14 @@ NUM_WARPS = 8
 # 19% (H200, B = 128: 70.7 against 59.5 us); with 4 warps it takes the plain pass's 59.4 us.
 TOP_NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
+# Registers per thread of ``stats_draw_kernel``. Its draw and finish (Philox, the tile and
+# sub-tile keys) would take 103 registers at 8 warps, the statistics pass alone 48 (ptxas,
+# sm_90); a launch gets the larger, and at 103 two programs of 8 warps fit on an SM instead of
+# five: the B = 128 pass became 10% slower. Capped at 48 (12 bytes of spills, in the draw),
+# the statistics pass keeps its occupancy (BENCHMARKS.md, "One launch for an eager call's
+# unfiltered rows").
+FUSED_MAXNREG = 48
+_SEPARATE = contextvars.ContextVar("specsample_separate_launches", default=False)
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -90,11 +104,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
     rows, vocab = x.shape
     dev = x.device
     s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
-    part_m = workspace.scratch(name + ".part_m", (rows, s), torch.float32, dev)
-    part_s = workspace.scratch(name + ".part_s", (rows, s), torch.float32, dev)
-    part_f = workspace.scratch(name + ".part_f", (rows, s), torch.int32, dev)
-    tshape = (rows if write_tiles else 1, nt)
-    tiles = [workspace.scratch(f"{name}.tiles{i}", tshape, torch.float32, dev) for i in range(3)]
+    part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, write_tiles, name, dev)
     if rows:
         launch(kernels.stats_kernel)[(rows, s)](
             x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
@@ -105,6 +115,18 @@ def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_e
             num_warps=(TOP_NUM_WARPS if write_top else NUM_WARPS)
             if not _interpreting(dev) else 1)
     return (part_m, part_s, part_f, tiles), (s, cps, nt)
+
+
+def _stats_buffers(rows: int, s: int, nt: int, write_tiles: bool, name: str,
+                   dev: torch.device):
+    """The statistics pass's outputs: per (row, split) max, sum and flags; per (row, tile)
+    reference, sum and maximum (one row of them when not ``write_tiles``)."""
+    part_m = workspace.scratch(name + ".part_m", (rows, s), torch.float32, dev)
+    part_s = workspace.scratch(name + ".part_s", (rows, s), torch.float32, dev)
+    part_f = workspace.scratch(name + ".part_f", (rows, s), torch.int32, dev)
+    tshape = (rows if write_tiles else 1, nt)
+    tiles = [workspace.scratch(f"{name}.tiles{i}", tshape, torch.float32, dev) for i in range(3)]
+    return part_m, part_s, part_f, tiles
 
 
 def _tiles_per_chunk(device: torch.device) -> int:
@@ -215,48 +237,93 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
     return cut_v, cut_i
 
 
+def one_launch(device: torch.device) -> bool:
+    """Whether a call on ``device`` may take the single launch (``kernels.stats_draw_kernel``,
+    for batches without filters, draft distributions or top-n logprobs: :func:`draw_rows`):
+    on eager calls, where each launch saved is 15-25 us of host time. Not while the current
+    stream captures a CUDA graph: a graph replays its launches without host work, and there
+    the three launches are 1-4 us faster at B = 8-32 (H200; BENCHMARKS.md). Both give the same
+    tokens. :func:`separate_launches` turns it off in a block (warmup compiles both)."""
+    return not _SEPARATE.get() and not (
+        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def separate_launches():
+    """Within the block (this thread or task), unfiltered rows take the separate statistics,
+    sampling and finish launches even on eager calls (:func:`one_launch`)."""
+    token = _SEPARATE.set(True)
+    try:
+        yield
+    finally:
+        _SEPARATE.reset(token)
+
+
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
-              filtered: bool, rank: bool = False):
+              filtered: bool, rank: bool = False, finish: tuple | None = None):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
-    (``row_j <= k_eff`` of its request, ``kernels.sample_kernel``): x [R, V] the rows (model
-    dtype, or the general path's float32 processed logits with ``temp`` all ones), temp [N]
-    float32, draft_ids [>= max k_given] int64 (``kernels._k_eff`` reads them); with
-    ``filtered`` or ``rank`` the statistics pass also writes each tile's maximum
-    (``tiles[2]``), and with ``rank`` the rows of requests that ask for top-n logprobs rank
-    their tiles by it (``logprobs.rank_tiles``).
+    (``row_j <= k_eff`` of its request): x [R, V] the rows (model dtype, or the general path's
+    float32 processed logits with ``temp`` all ones), temp [N] float32, draft_ids [>= max
+    k_given] int64 (``kernels._k_eff`` reads them); with ``filtered`` or ``rank`` the
+    statistics pass also writes each tile's maximum (``tiles[2]``), and with ``rank`` the rows
+    of requests that ask for top-n logprobs rank their tiles by it (``logprobs.rank_tiles``).
+    With ``finish`` (row_start, then ``finish_kernel``'s outputs from token ids to K, then its
+    logprob arguments: the tuple ``run`` builds for a plan without draft distributions),
+    neither ``filtered`` nor ``rank``, on an eager call (:func:`one_launch`): one launch
+    (``kernels.stats_draw_kernel``: the last split program of a row draws it, the last live
+    row of a request finishes it). Otherwise the statistics, the filter kernels when
+    filtered, then ``kernels.sample_kernel``; the caller launches the finish.
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
     (cut_v, cut_i) the filters' cuts (split statistics when not filtered, which the kernels
-    do not read), the ranking ([R, NPAD] int64 tile keys, [R] int32 counts) or None). No host
-    synchronisation."""
+    do not read), the ranking ([R, NPAD] int64 tile keys, [R] int32 counts) or None, and
+    whether the requests were finished). No host synchronisation."""
     batch, dev, rows = plan.batch, x.device, plan.num_rows
-    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
-        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
-        write_tiles=True, write_top=filtered or rank)
     y = workspace.scratch("y", (rows,), torch.int32, dev)
     stats = workspace.scratch("stats", (rows, 3), torch.float32, dev)
-    # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
-    cut_v, cut_i = part_m, part_m.view(torch.int32)
-    if filtered:
-        cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
-                                    tiles, nt)
     npad = logprobs_kernels.NPAD
     ranking = None
     if rank:
         ranking = (workspace.scratch("rank.keys", (rows, npad), torch.int64, dev),
                    workspace.scratch("rank.count", (rows,), torch.int32, dev))
+    draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
+    interp = _interpreting(dev)
+    # (top-n logprobs and draft distributions keep the separate launches even on eager calls:
+    # such a call is several launches anyway (with draft logits the single launch saved no
+    # measurable host time), and their variants of the single launch made warmup compile 212
+    # variants instead of 192, 22.8 s on a fresh cache against issue 16's 15 s)
+    if finish is not None and not filtered and not rank and one_launch(dev):
+        s, cps, nt = _splits(rows, plan.vocab_size, _tiles_per_chunk(dev), dev)
+        part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
+        if rows:
+            paths.record("triton.one_launch", rows)
+            done = workspace.counters("draw", (rows + plan.num_requests,), dev)
+            launch(kernels.stats_draw_kernel)[(rows, s)](
+                x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
+                plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
+                part_m, part_s, part_f, tiles[0], tiles[1], s, cps, nt, y, stats, done,
+                *finish, S_MAX=S_MAX, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
+                **({"num_warps": 1} if interp else
+                   {"num_warps": NUM_WARPS, "maxnreg": FUSED_MAXNREG}))
+        return (part_m, part_s, part_f), tiles, nt, y, stats, (part_m, part_f), ranking, True
+    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
+        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
+        write_tiles=True, write_top=filtered or rank)
+    # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
+    cut_v, cut_i = part_m, part_f
+    if filtered:
+        cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
+                                    tiles, nt)
     if rows:
         launch(kernels.sample_kernel)[(rows,)](
             x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
-            plan.draft_start, plan.k_given, temp, batch.temperature,
-            batch.seed_lo, batch.seed_hi, plan.positions, part_m, part_s, part_f,
-            tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i, tiles[2], batch.logprobs_n,
-            *(ranking or (y, stats)), FILTERED=filtered, RANK=rank,
+            plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
+            part_m, part_s, part_f, tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i,
+            tiles[2], batch.logprobs_n, *(ranking or (y, stats)), FILTERED=filtered, RANK=rank,
             NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, S_MAX=S_MAX,
-            TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
-            num_warps=NUM_WARPS if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking
+            TPC=_tiles_per_chunk(dev), BLOCK=BLOCK, num_warps=NUM_WARPS if not interp else 1)
+    return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, False
 
 
 def exact_rank_rows(plan: Plan, general: bool) -> torch.Tensor | None:
@@ -324,8 +391,29 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     draft_ids = (plan.draft_token_ids if plan.draft_token_ids.numel()
                  else workspace.zeros((1,), torch.int64, dev))  # (read by no kernel)
     fused_logprobs = batch.max_logprobs >= 0 and logprobs_kernels.supported(plan, general)
-    (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking = draw_rows(
-        x, plan, temp, draft_ids, filtered, rank=fused_logprobs and batch.max_logprobs > 0)
+    token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    err = torch.empty(n, dtype=torch.int64, device=dev)
+    invalid = torch.empty(n, dtype=torch.bool, device=dev)
+    res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
+    res_rho = workspace.scratch("res_rho", (n,), torch.float32, dev)
+    # logprobs = 0 for everyone, from the statistics alone: the finish writes them with the
+    # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
+    lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
+    if lp0:
+        lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
+        lp_i = torch.empty(n, k + 1, 1, dtype=torch.int64, device=dev)
+    else:  # (never written; typed as the real ones: one kernel variant)
+        lp_v, lp_i = res_rho, token_ids
+    lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
+    # An eager call without filters, draft distributions or top-n logprobs is one launch,
+    # which also finishes the requests (``draw_rows``).
+    (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, finished = \
+        draw_rows(x, plan, temp, draft_ids, filtered,
+                  rank=fused_logprobs and batch.max_logprobs > 0,
+                  finish=None if plan.has_draft_dist else (
+                      plan.row_start, token_ids, num_accepted, err, invalid, res_row, res_rho,
+                      k, *lp_args))
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
     is_probs = plan.draft_probs is not None
@@ -341,22 +429,6 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
 
     rows = plan.num_rows
     warps = NUM_WARPS if not _interpreting(dev) else 1
-
-    token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
-    err = torch.empty(n, dtype=torch.int64, device=dev)
-    invalid = torch.empty(n, dtype=torch.bool, device=dev)
-    res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
-    res_rho = workspace.scratch("res_rho", (n,), torch.float32, dev)
-    # logprobs = 0 for everyone, from the statistics alone: finish_kernel writes them with the
-    # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
-    lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
-    if lp0:
-        lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
-        lp_i = torch.empty(n, k + 1, 1, dtype=torch.int64, device=dev)
-    else:  # (never written; typed as the real ones: one kernel variant)
-        lp_v, lp_i = res_rho, token_ids
-    lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
     block = plan.has_draft_dist and plan.method == "block"
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1
@@ -386,7 +458,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             plan.draft_start, plan.draft_req, plan.draft_j, draft, dstride, dv, dpart_m,
             dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
             FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
-    finish(rho_only=False)
+    if not finished:
+        finish(rho_only=False)
 
     if plan.has_draft_dist:
         mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
@@ -515,14 +588,15 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
            workers: int | None = None) -> int:
     """Compile every kernel variant a deployment can need, then guard against later compiles.
 
-    Runs sample() and verify() once per (target dtype, draft kind, draft dtype, method) with
+    Runs sample() and verify() per (target dtype, draft kind, draft dtype, method) with
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
     and on the general path (float32 processed logits), and sample() with raw and processed
     logprobs on each of those paths (the logprob kernels), and the kernels of a device
     ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
-    ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same).
-    Then installs the compile guard (see :func:`install_compile_guard`). Returns the number of
-    calls made.
+    ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same),
+    and the calls that take the single launch of an eager call (:func:`one_launch`) again
+    with the separate launches that CUDA-graph capture takes. Then installs the compile guard
+    (see :func:`install_compile_guard`). Returns the number of calls made.
 
     On CUDA the variants are compiled in ``workers`` processes first (default: one per CPU
     core this process may use, at most 32; 0 compiles them one by one as the calls launch
@@ -552,6 +626,29 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     k = [2, 1]
 
     def run_calls() -> int:
+        calls = every_kind()
+        # The calls that took the single launch above (no filters, draft distributions or
+        # top-n logprobs) take separate launches under graph capture (one_launch): those too.
+        with separate_launches():
+            for dtype in dtypes:
+                target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)
+                rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
+                drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
+                                       device=device)
+                for plist in (params, general):  # (the general path: float32 rows)
+                    for lp in (None, 0):
+                        batch = SamplingBatch.from_params(
+                            [dataclasses.replace(p, logprobs=lp) for p in plist],
+                            vocab_size=vocab_size, device=device)
+                        sample(target, batch, positions=pos, strict=False)
+                        verify(rows, drafts, k, batch, positions=pos, strict=False)
+                        calls += 2
+        # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
+        # variants of a host num_draft_tokens)
+        layout.warm(device)
+        return calls
+
+    def every_kind() -> int:
         calls = 0
         for dtype in dtypes:
             if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -587,9 +684,6 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
                                method=method, strict=False)
                         calls += 2
-        # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
-        # variants of a host num_draft_tokens)
-        layout.warm(device)
         from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
 
         tree_kernels.warm(device, vocab_size, dtypes[0] if dtypes else torch.float32)

@@ -299,8 +299,8 @@ def pass_launcher(queue: deque, variant: Variant) -> bool:
 # Kernels whose variants take seconds to compile on an H200 host (the sorts of the filters'
 # cut and of the top-n merge, the three-level draws): sent first, so that no worker starts
 # one of them last.
-_SLOW_FIRST = ("logprob_merge_kernel", "select_kernel", "sample_kernel", "residual_draw_kernel",
-               "bounds_kernel")
+_SLOW_FIRST = ("logprob_merge_kernel", "select_kernel", "stats_draw_kernel", "sample_kernel",
+               "residual_draw_kernel", "bounds_kernel")
 
 # The worker: its stdout goes to stderr before anything is imported, so that nothing but its
 # answers (on a duplicate of the original stdout) reaches the parent.

@@ -1,17 +1,21 @@
 """Triton kernels: one pass over the logits, temperature fused, no FP32 copy.
 
-Two launches per call:
+The stages of a call:
 
 1. ``stats_kernel`` (grid rows x vocabulary splits): reads each live row once in its own dtype
    and writes, per split, the running max, the sum of exp((x - max) / T) (online softmax), the
    argmax (lowest id) and validity flags; and, per ``rng.TILE``-wide vocabulary tile, the tile's
    max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass.
-2. ``finish_kernel`` (grid requests): per row, the exact three-level Gumbel-max draw (a tile
+2. ``sample_kernel`` (grid rows): per row, the exact three-level Gumbel-max draw (a tile
    from the tile log-masses, a sub-tile of it, then a token inside that sub-tile: one tile
-   re-read and noise for NT + 16 + 128 values instead of V), then greedy / one-hot prefix
-   matching, token-level rejection sampling (Leviathan et al. 2023, Alg. 1) or block
-   verification (Sun et al. 2024, Alg. 2) with a residual draw over the rejected row pair
-   only, and the outputs.
+   re-read and noise for NT + 16 + 128 values instead of V), or the argmax of a greedy row.
+3. ``finish_kernel`` (grid requests): greedy / one-hot prefix matching, token-level rejection
+   sampling (Leviathan et al. 2023, Alg. 1) or block verification (Sun et al. 2024, Alg. 2),
+   and the outputs; the residual kernels then draw a correction over the rejected row pair
+   only.
+
+``stats_draw_kernel`` runs stages 1-3 as one launch on eager calls (the last program of a row
+draws it, the last row of a request finishes it; see its docstring).
 
 The random numbers are ``specsample.rng``'s Philox4x32-10 function bit for bit.
 """
@@ -156,6 +160,18 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     j = tl.load(row_j_ptr + r)
     live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
     t = tl.load(temp_ptr + req)
+    _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
+                 tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS, WRITE_TILES,
+                 WRITE_TOP, TPC, BLOCK)
+
+
+@triton.jit
+def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
+                 tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS: tl.constexpr,
+                 WRITE_TILES: tl.constexpr, WRITE_TOP: tl.constexpr, TPC: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The statistics of split ``s`` of row ``r`` (:func:`stats_kernel`); ``t`` the row's
+    temperature (0 for greedy rows: then 1)."""
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
     scale = inv_t * 1.4426950408889634  # exp(y / T) = exp2(y * scale)
     CHUNK: tl.constexpr = TPC * BLOCK
@@ -354,7 +370,83 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    _draw_row(x_ptr, stride, V, r, req, j, live, tl.load(temp_ptr + req), req_temp_ptr,
+              seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
+              tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr,
+              tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr, FILTERED, RANK, NT_SORT, NPAD, S_MAX,
+              TPC, BLOCK)
+
+
+@triton.jit(**_NOSPEC)
+def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
+                      k_given_ptr, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
+                      part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, CPS, NT,
+                      out_y_ptr, out_stats_ptr, done_ptr, row_start_ptr, out_tok_ptr,
+                      out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
+                      lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, S_MAX: tl.constexpr,
+                      TPC: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`stats_kernel` (logits, with tiles), :func:`sample_kernel` (unfiltered, no tile
+    ranking) and :func:`finish_kernel` (no draft distributions) in one launch: the last of a
+    row's S split programs to finish draws the row's token, and the last of a request's
+    k_eff + 1 live rows to be drawn finishes the request.
+
+    Each program writes its split's statistics and tiles, then, after a barrier of its own
+    threads, adds 1 to the row's counter ``done_ptr[r]`` with an acquire-release atomic at GPU
+    scope: the program that reads S - 1 follows every other split's writes (their release, its
+    acquire), sets the counter back to 0 for the next launch and draws the row. A live row's
+    drawing program then does the same on its request's counter
+    ``done_ptr[num rows + request]``, after the row's token and statistics: the program that
+    reads k_eff finishes the request. ``done_ptr`` [rows + requests] int32 is all zeros before
+    the launch and after it. So the draw starts as soon as its row has been read, while other
+    rows are still being read, and nothing waits for a second or third launch (the
+    single-pass "last block" pattern of CUDA's threadFenceReduction sample)."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    req = tl.load(row_req_ptr + r)
+    j = tl.load(row_j_ptr + r)
+    k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    live = j <= k_eff
     t = tl.load(temp_ptr + req)
+    _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
+                 tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT, False, True, False, TPC,
+                 BLOCK)
+    tl.debug_barrier()
+    done = tl.atomic_add(done_ptr + r, 1, sem="acq_rel", scope="gpu")
+    if done == S - 1:
+        tl.store(done_ptr + r, 0)
+        # (the cut and the ranking's pointers are never read: unfiltered, no ranking)
+        _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr,
+                  seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
+                  tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, part_m_ptr, part_f_ptr,
+                  tilemax_ptr, part_f_ptr, part_f_ptr, part_f_ptr, False, False, 1, 1, S_MAX,
+                  TPC, BLOCK)
+        if live:
+            tl.debug_barrier()
+            req_done = done_ptr + tl.num_programs(0) + req
+            rows_done = tl.atomic_add(req_done, 1, sem="acq_rel", scope="gpu")
+            if rows_done == k_eff:
+                tl.store(req_done, 0)
+                # (no draft distribution: the draft and block arguments are never read)
+                _finish_request(req, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
+                                seed_hi_ptr, pos_ptr, row_start_ptr, draft_start_ptr,
+                                k_given_ptr, draft_ids_ptr, out_y_ptr, out_stats_ptr,
+                                tilemax_ptr, tilesum_ptr, NT, part_m_ptr, 0, 1, part_m_ptr,
+                                part_s_ptr, part_f_ptr, 1, out_tok_ptr, out_nacc_ptr,
+                                out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
+                                part_m_ptr, part_f_ptr, part_m_ptr, part_m_ptr, 1, 0,
+                                lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, False, False, False,
+                                False, S_MAX, BLOCK)
+
+
+@triton.jit
+def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+              pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT,
+              out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr,
+              count_ptr, FILTERED: tl.constexpr, RANK: tl.constexpr, NT_SORT: tl.constexpr,
+              NPAD: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Row ``r``'s statistics and token (:func:`sample_kernel`); ``t`` the temperature of
+    the row's pass (0 for greedy rows)."""
     t = tl.where(t > 0, t, 1.0)
     m, logz, flags = _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, False, S_MAX)
     y = 0
@@ -450,8 +542,9 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                   RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
-    ``sample_kernel``), draw the correction from the residual where a draft distribution was
-    rejected, and write token ids [K+1], num_accepted and the error bitmask.
+    ``sample_kernel`` or ``stats_draw_kernel``), draw the correction from the residual where a
+    draft distribution was rejected, and write token ids [K+1], num_accepted and the error
+    bitmask.
 
     Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
     ratio rho_j (1 <= j < k) to ``rho_row``; ``block_mass_kernel`` then sums every
@@ -460,6 +553,26 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
 
     With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1]."""
     i = tl.program_id(0)
+    _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+                    pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
+                    stats_ptr, tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr,
+                    dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                    out_invalid_ptr, res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
+                    rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
+                    HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD, RHO_ONLY, S_MAX, BLOCK)
+
+
+@triton.jit
+def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+                    pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
+                    stats_ptr, tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr,
+                    dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                    out_invalid_ptr, res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
+                    rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
+                    HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
+                    BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The work of :func:`finish_kernel` for request ``i``."""
     k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)
     dstart = tl.load(draft_start_ptr + i)

@@ -7,9 +7,9 @@ entries (the q tiles ranked above it each hold an entry, their maximum, that bea
 entry of it), and no entry below L, the maximum of the tile of rank n - 1, is among them.
 So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
 
-1. ``rank_tiles`` (inside ``kernels.sample_kernel``, per row of a request that asks for
-   top-n): sorts the row's tile maxima as one int64 key each and writes the n best tiles
-   and L.
+1. ``rank_tiles`` (inside the draw of ``kernels.sample_kernel`` / ``stats_draw_kernel``, per
+   row of a request that asks for top-n): sorts the row's tile maxima as one int64 key each
+   and writes the n best tiles and L.
 2. ``topn_partial_kernel`` (grid emitted positions x max(n, splits)): program q takes the
    tile of rank q and extracts its best n - q entries >= L, one reduction of packed
    (value, id) keys per entry; and, when the sampling statistics do not give the raw row's
@@ -20,8 +20,9 @@ So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
    -inf / -1 padding. Positions past the accepted prefix exit at once in every kernel.
 
 When the batch wants column 0 alone and the statistics give it (:func:`in_finish`),
-neither kernel runs: ``kernels.finish_kernel`` writes column 0 with the tokens (and
-``kernels.residual_draw_kernel`` at a redrawn correction), saving a launch.
+neither kernel runs: the requests' finish (``kernels.finish_kernel``, or the single launch's)
+writes column 0 with the tokens (and ``kernels.residual_draw_kernel`` at a redrawn
+correction), saving a launch.
 
 Ranking is by the values before normalisation (the raw logits, the general path's processed
 float32 logits), so two entries that round to the same logprob keep their exact order; ties
@@ -290,8 +291,8 @@ def _needs_raw_normaliser(plan: Plan, general: bool, filtered: bool) -> bool:
 
 def in_finish(plan: Plan, general: bool, filtered: bool) -> bool:
     """Whether the batch's logprobs are column 0 alone (logprobs = 0) from the sampling
-    statistics, which ``kernels.finish_kernel`` writes with the tokens: no launch of their
-    own (the fused path only, no raw normaliser to compute)."""
+    statistics, which the requests' finish (``kernels.finish_kernel``) writes with the
+    tokens: no launch of their own (the fused path only, no raw normaliser to compute)."""
     return (plan.batch.max_logprobs == 0 and not general
             and not _needs_raw_normaliser(plan, False, filtered))
 

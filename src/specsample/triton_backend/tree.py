@@ -4,7 +4,7 @@ A deterministic tree's target token at a node is the node row's own ``sample()``
 position ``positions[i] + depth`` (docs/semantics.md, "Tree verification"), which is exactly
 what the kernels draw for a ``verify()`` row of request ``row_req[r]`` at offset ``row_j[r]``.
 So the tree's rows go through the same launches as ``verify()``'s (``draw_rows``: the
-statistics kernel, the filter kernels when min_p / top_k / top_p are on, ``sample_kernel``)
+statistics kernel, the filter kernels when min_p / top_k / top_p are on, the draw)
 with ``row_j`` = the node's depth and every row live (``k_given`` = the batch's deepest depth D
 and D zero draft ids, so ``kernels._k_eff`` is D for every request). Without logprobs the
 walk and the outputs are one launch (``walk_kernel``); with logprobs they are the PyTorch
@@ -187,7 +187,7 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     walk_here = plan.draft_probs is None and batch.max_logprobs < 0
     if walk_here:  # (recorded before the work, so that a forbidden path raises first)
         paths.record("triton.verify_tree.walk", plan.num_requests)
-    _, _, _, y, stats, (cut_v, cut_i), _ = draw_rows(x, plan, temp, draft_ids, filtered)
+    _, _, _, y, stats, (cut_v, cut_i), _, _ = draw_rows(x, plan, temp, draft_ids, filtered)
     if walk_here:
         return _walk(plan, y, stats, err if general else None)
     if not general:
