@@ -287,6 +287,7 @@ def test_placeholders_and_invalid_rows():
 @pytest.mark.parametrize("kind,method,lps,one_launch", [
     ("onehot", "token", None, True), ("onehot", "block", [(0, "processed"), (0, "raw")], True),
     ("onehot", "token", [(0, "processed"), (5, "raw")], False),
+    ("onehot", "token", [(40, "processed")], False),  # (top-n past the kernels': PyTorch)
     ("draft_logits", "block", None, False), ("draft_probs", "token", None, False)])
 def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, one_launch):
     # An eager call without filters, draft distributions or top-n logprobs is one launch
@@ -344,10 +345,14 @@ def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, on
             a, b = getattr(one, name), getattr(out, name)
             assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
     # sample(): one row per request
+    paths.reset()
     one = specsample.sample(logits[:5], batch, positions=pos, strict=False)
+    assert paths.counts()["triton.one_launch"]["rows"] == 5
     with triton_backend.separate_launches():
         sep = specsample.sample(logits[:5], batch, positions=pos, strict=False)
-    assert torch.equal(one.token_ids.cpu(), sep.token_ids.cpu())
+    for name in ("token_ids", "invalid", "logprobs", "logprob_token_ids"):
+        a, b = getattr(one, name), getattr(sep, name)
+        assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
 
 
 @pytest.mark.parametrize("counts", ["ok", "request_error", "batch_error", "negative"])

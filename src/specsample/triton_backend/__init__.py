@@ -24,9 +24,10 @@ Paths (``specsample.paths``):
   statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
 * ``triton.one_launch``: an eager call whose rows were read, drawn and finished in one launch
-  (``kernels.stats_draw_kernel``; :func:`one_launch` says when: no filters, no draft
-  distributions, no top-n logprobs, not under graph capture). Other calls take the separate
-  statistics / sampling / finish launches and are not counted here.
+  (``kernels.stats_draw_kernel``): no filter kernels (the general path, which filters in
+  PyTorch first, qualifies), no draft distributions, no top-n logprobs, not under graph
+  capture (:func:`one_launch`). Other calls take the separate statistics / sampling / finish
+  launches and are not counted here.
 
 On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
 before triton is imported); that is how the CPU test suite runs them.
@@ -239,7 +240,7 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
 
 def one_launch(device: torch.device) -> bool:
     """Whether a call on ``device`` may take the single launch (``kernels.stats_draw_kernel``,
-    for batches without filters, draft distributions or top-n logprobs: :func:`draw_rows`):
+    for batches without filter kernels, draft distributions or top-n logprobs: :func:`run`):
     on eager calls, where each launch saved is 15-25 us of host time. Not while the current
     stream captures a CUDA graph: a graph replays its launches without host work, and there
     the three launches are 1-4 us faster at B = 8-32 (H200; BENCHMARKS.md). Both give the same
@@ -268,8 +269,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     statistics pass also writes each tile's maximum (``tiles[2]``), and with ``rank`` the rows
     of requests that ask for top-n logprobs rank their tiles by it (``logprobs.rank_tiles``).
     With ``finish`` (row_start, then ``finish_kernel``'s outputs from token ids to K, then its
-    logprob arguments: the tuple ``run`` builds for a plan without draft distributions),
-    neither ``filtered`` nor ``rank``, on an eager call (:func:`one_launch`): one launch
+    logprob arguments: the tuple ``run`` builds for a plan without draft distributions or
+    top-n logprobs), not ``filtered``, on an eager call (:func:`one_launch`): one launch
     (``kernels.stats_draw_kernel``: the last split program of a row draws it, the last live
     row of a request finishes it). Otherwise the statistics, the filter kernels when
     filtered, then ``kernels.sample_kernel``; the caller launches the finish.
@@ -289,11 +290,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                    workspace.scratch("rank.count", (rows,), torch.int32, dev))
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
-    # (top-n logprobs and draft distributions keep the separate launches even on eager calls:
-    # such a call is several launches anyway (with draft logits the single launch saved no
-    # measurable host time), and their variants of the single launch made warmup compile 212
-    # variants instead of 192, 22.8 s on a fresh cache against issue 16's 15 s)
-    if finish is not None and not filtered and not rank and one_launch(dev):
+    if finish is not None and not filtered and one_launch(dev):
         s, cps, nt = _splits(rows, plan.vocab_size, _tiles_per_chunk(dev), dev)
         part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
         if rows:
@@ -406,12 +403,16 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     else:  # (never written; typed as the real ones: one kernel variant)
         lp_v, lp_i = res_rho, token_ids
     lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
-    # An eager call without filters, draft distributions or top-n logprobs is one launch,
-    # which also finishes the requests (``draw_rows``).
+    # An eager call without filter kernels, draft distributions or top-n logprobs is one launch,
+    # which also finishes the requests (``draw_rows``). Top-n logprobs and draft distributions
+    # keep the separate launches even on eager calls: such a call is several launches anyway
+    # (with draft logits the single launch saved no measurable host time), and their variants
+    # of the single launch made warmup compile 212 variants instead of 192 (22.8 s on a fresh
+    # cache, against issue 16's 15 s).
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, finished = \
         draw_rows(x, plan, temp, draft_ids, filtered,
                   rank=fused_logprobs and batch.max_logprobs > 0,
-                  finish=None if plan.has_draft_dist else (
+                  finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
                       plan.row_start, token_ids, num_accepted, err, invalid, res_row, res_rho,
                       k, *lp_args))
 
@@ -437,12 +438,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         launch(kernels.finish_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
-            y, stats, tiles[0], tiles[1], nt,
-            draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
+            y, stats, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
             token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
             rho_row, bmass, sb, int(filtered), *lp_args, HAS_DRAFT=plan.has_draft_dist,
-            DRAFT_PROBS=is_probs,
-            BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX, BLOCK=BLOCK,
+            DRAFT_PROBS=is_probs, BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX,
             num_warps=4 if not _interpreting(dev) else 1)
 
     n_drafts = plan.draft_token_ids.numel()
@@ -595,7 +594,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same),
     and the calls that take the single launch of an eager call (:func:`one_launch`) again
-    with the separate launches that CUDA-graph capture takes. Then installs the compile guard
+    with the separate launches that CUDA-graph capture (or :func:`separate_launches`) takes.
+    Then installs the compile guard
     (see :func:`install_compile_guard`). Returns the number of calls made.
 
     On CUDA the variants are compiled in ``workers`` processes first (default: one per CPU
@@ -627,8 +627,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     def run_calls() -> int:
         calls = every_kind()
-        # The calls that took the single launch above (no filters, draft distributions or
-        # top-n logprobs) take separate launches under graph capture (one_launch): those too.
+        # The calls that took the single launch above (no filter kernels, draft distributions
+        # or top-n logprobs) take separate launches under graph capture (one_launch), and
+        # with separate_launches() (the general path: that alone, it cannot be captured).
         with separate_launches():
             for dtype in dtypes:
                 target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)

@@ -430,12 +430,11 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                 _finish_request(req, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
                                 seed_hi_ptr, pos_ptr, row_start_ptr, draft_start_ptr,
                                 k_given_ptr, draft_ids_ptr, out_y_ptr, out_stats_ptr,
-                                tilemax_ptr, tilesum_ptr, NT, part_m_ptr, 0, 1, part_m_ptr,
-                                part_s_ptr, part_f_ptr, 1, out_tok_ptr, out_nacc_ptr,
-                                out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
-                                part_m_ptr, part_f_ptr, part_m_ptr, part_m_ptr, 1, 0,
-                                lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, False, False, False,
-                                False, S_MAX, BLOCK)
+                                part_m_ptr, 0, 1, part_m_ptr, part_s_ptr, part_f_ptr, 1,
+                                out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
+                                res_row_ptr, res_rho_ptr, K, part_m_ptr, part_f_ptr,
+                                part_m_ptr, part_m_ptr, 1, 0, lp_proc_ptr, lp_v_ptr, lp_i_ptr,
+                                lp0, False, False, False, False, S_MAX)
 
 
 @triton.jit
@@ -535,12 +534,11 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 @triton.jit(**_NOSPEC)
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                   row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr, stats_ptr,
-                  tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                  dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
-                  res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB,
-                  filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
-                  DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                  RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr,
+                  out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
+                  cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr,
+                  lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
+                  BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel`` or ``stats_draw_kernel``), draw the correction from the residual where a
     draft distribution was rejected, and write token ids [K+1], num_accepted and the error
@@ -555,23 +553,22 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     i = tl.program_id(0)
     _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
-                    stats_ptr, tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr,
-                    dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                    out_invalid_ptr, res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
-                    rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
-                    HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD, RHO_ONLY, S_MAX, BLOCK)
+                    stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                    out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
+                    res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
+                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD,
+                    RHO_ONLY, S_MAX)
 
 
 @triton.jit
 def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
-                    stats_ptr, tilemax_ptr, tilesum_ptr, NT, d_ptr, dstride, DV, dpart_m_ptr,
-                    dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                    out_invalid_ptr, res_row_ptr, res_rho_ptr, K, cut_v_ptr, cut_i_ptr,
-                    rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
-                    HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
-                    BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                    out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
+                    res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
+                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
+                    DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
+                    RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
     """The work of :func:`finish_kernel` for request ``i``."""
     k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)

@@ -7,9 +7,9 @@ entries (the q tiles ranked above it each hold an entry, their maximum, that bea
 entry of it), and no entry below L, the maximum of the tile of rank n - 1, is among them.
 So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
 
-1. ``rank_tiles`` (inside the draw of ``kernels.sample_kernel`` / ``stats_draw_kernel``, per
-   row of a request that asks for top-n): sorts the row's tile maxima as one int64 key each
-   and writes the n best tiles and L.
+1. ``rank_tiles`` (inside ``kernels.sample_kernel``, per row of a request that asks for
+   top-n): sorts the row's tile maxima as one int64 key each and writes the n best tiles and
+   L.
 2. ``topn_partial_kernel`` (grid emitted positions x max(n, splits)): program q takes the
    tile of rank q and extracts its best n - q entries >= L, one reduction of packed
    (value, id) keys per entry; and, when the sampling statistics do not give the raw row's

@@ -3,8 +3,8 @@
 A deterministic tree's target token at a node is the node row's own ``sample()`` draw at
 position ``positions[i] + depth`` (docs/semantics.md, "Tree verification"), which is exactly
 what the kernels draw for a ``verify()`` row of request ``row_req[r]`` at offset ``row_j[r]``.
-So the tree's rows go through the same launches as ``verify()``'s (``draw_rows``: the
-statistics kernel, the filter kernels when min_p / top_k / top_p are on, the draw)
+So the tree's rows go through the same launches as ``verify()``'s separate ones (``draw_rows``:
+the statistics kernel, the filter kernels when min_p / top_k / top_p are on, the draw)
 with ``row_j`` = the node's depth and every row live (``k_given`` = the batch's deepest depth D
 and D zero draft ids, so ``kernels._k_eff`` is D for every request). Without logprobs the
 walk and the outputs are one launch (``walk_kernel``); with logprobs they are the PyTorch
