@@ -102,6 +102,10 @@ def test_workers_fill_the_cache_then_find_it(result):
     first = result["first"]
     assert first["failed"] == [], first["failed"]
     assert (first["compiled"], first["cached"]) == (2, 0)
+    # the seconds each kernel held a worker, for finding what a slow warmup waited on
+    assert set(first["kernel_s"]) == {"topn_partial_kernel"} and first["kernel_s"][
+        "topn_partial_kernel"] > 0, first
+    assert first["longest"][0] == "topn_partial_kernel" and 0 < first["first_answer_s"], first
     assert result["after"] is True
     assert any(Path(result["cache"]).rglob("*.cubin"))
     assert result["again"] == {"cached": 1, "compiled": 0, "failed": [], "launcher_errors": [],

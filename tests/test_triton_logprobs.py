@@ -257,7 +257,7 @@ def test_top_n_from_the_best_ranked_tiles(n_top):
     # n - q entries. Rows where that bound is tight: all of the top n in one tile, the tile
     # of rank 1 holding n - 1 of them, tile maxima tied (the lower tile ranks first), and
     # -0.0 tying +0.0 (the lower id first). With n = 32 the tied rows give more than 64
-    # candidates (the merge's larger sort).
+    # candidates (the merge then takes their best n one maximum at a time).
     vocab, tile = 8192, 2048
     x = torch.full((6, vocab), -5.0)
     x[0, 2 * tile + torch.arange(n_top) * 97] = 10.0 - 0.25 * torch.arange(n_top).float()

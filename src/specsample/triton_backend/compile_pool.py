@@ -296,11 +296,11 @@ def pass_launcher(queue: deque, variant: Variant) -> bool:
     return False
 
 
-# Kernels whose variants take seconds to compile on an H200 host (the sorts of the filters'
-# cut and of the top-n merge, the three-level draws): sent first, so that no worker starts
-# one of them last.
-_SLOW_FIRST = ("logprob_merge_kernel", "select_kernel", "stats_draw_kernel", "sample_kernel",
-               "residual_draw_kernel", "bounds_kernel")
+# Kernels whose variants take the longest to compile, slowest first (the filters' cut, the
+# single launch, the three-level draws; warmup_report()["kernel_s"] on an H200 host): sent
+# first, so that no worker starts one of them last.
+_SLOW_FIRST = ("select_kernel", "stats_draw_kernel", "sample_kernel", "residual_draw_kernel",
+               "logprob_merge_kernel", "finish_kernel")
 
 # The worker: its stdout goes to stderr before anything is imported, so that nothing but its
 # answers (on a duplicate of the original stdout) reaches the parent.
@@ -355,10 +355,16 @@ class Pool:
     def compile(self, variants: Sequence[Variant], target: GPUTarget) -> dict:
         """Compile ``variants`` and their launchers for ``target``; returns {"compiled": n,
         "failed": [error text, ...], "launcher_errors": [each distinct text] (why launchers
-        were left for the launches to build)}. Never raises for a variant that fails."""
+        were left for the launches to build), "kernel_s": {kernel name: seconds its variants
+        held a worker, the first of each worker's jobs including the worker's start},
+        "first_answer_s": seconds until the first worker answered, "longest": [kernel name,
+        seconds] of the job that held its worker longest}. Never raises for a variant that
+        fails."""
         queue = jobs(variants)
         spec = [target.backend, target.arch, target.warp_size]
-        result = {"compiled": 0, "failed": [], "launcher_errors": []}
+        result = {"compiled": 0, "failed": [], "launcher_errors": [], "kernel_s": {},
+                  "first_answer_s": None, "longest": None}
+        t0 = time.monotonic()
         busy: dict[int, tuple[list, float]] = {}
         killed: set[int] = set()
         sel = selectors.DefaultSelector()
@@ -405,7 +411,15 @@ class Pool:
                 for key, _ in events:
                     i = key.data
                     line = self._answer(i)
-                    job, _start = busy.pop(i, (None, 0.0))
+                    job, start = busy.pop(i, (None, now))
+                    if job is not None:
+                        name = job[0].name
+                        result["kernel_s"][name] = round(
+                            result["kernel_s"].get(name, 0.0) + now - start, 2)
+                        if result["first_answer_s"] is None:
+                            result["first_answer_s"] = round(now - t0, 2)
+                        if result["longest"] is None or now - start > result["longest"][1]:
+                            result["longest"] = [name, round(now - start, 2)]
                     if not line:  # the worker is gone (its variant is compiled at launch)
                         sel.unregister(key.fileobj)
                         if job is not None:

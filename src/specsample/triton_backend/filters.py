@@ -83,15 +83,16 @@ def _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, prune_key, m, t, cut_key, cut_i,
+def _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, cut_i,
                 NEED_MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """For each threshold key of ``thr`` [NQ]: how many survivors of (cut_key, cut_i) have a key
     >= it, and (NEED_MASS) their mass sum exp((y - m) / t) in float64. Reads only the tiles
-    whose maximum key is >= ``prune_key`` (no element below it can count)."""
+    whose maximum (``ttop_ptr``: the row's tile maxima) has a key >= ``prune_key`` (no element
+    below it can count)."""
     cnt = tl.zeros([NQ], tl.int32)
     mass = tl.zeros([NQ], tl.float64)
     for tile in range(0, NT):
-        if _pick(ttop_key, toffs, tile) >= prune_key:
+        if _key(tl.load(ttop_ptr + tile), SHIFT) >= prune_key:
             for sub in range(0, BLOCK, SUB):
                 offs = tile * BLOCK + sub + tl.arange(0, SUB)
                 y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
@@ -104,8 +105,8 @@ def _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, prune_key, m, t, cu
     return cnt, mass
 
 
-@triton.jit
-def _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, goal_count, goal_mass, m, t,
+@triton.jit(noinline=True)  # (one body per BY_MASS, not one per call: compile time)
+def _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
             cut_key, cut_i, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """The largest key in [lo, hi) whose count (or float64 mass) of survivors at or above it
     reaches the goal, by a 16-ary search; ``lo`` must satisfy it (else ``lo - 1`` comes back,
@@ -118,7 +119,7 @@ def _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, goal_count, goal_mas
         thr = lo + q * step
         thr = tl.where(thr < hi, thr, hi)  # never true at hi
         prune = tl.where(first, lo, lo + step)
-        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, prune, m, t,
+        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune, m, t,
                                 cut_key, cut_i, BY_MASS, SHIFT, BLOCK)
         if BY_MASS:
             cond = mass >= goal_mass
@@ -138,13 +139,23 @@ def _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, goal_count, goal_mas
 
 
 @triton.jit
-def _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, key, n, cut_key, cut_i,
+def _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, key, n, cut_key, cut_i,
              SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """Id of the n-th (1-based, id order) survivor of (cut_key, cut_i) whose key is ``key``."""
+    """Id of the n-th (1-based, id order) survivor of (cut_key, cut_i) whose key is ``key``
+    (``ttop_ptr``: the row's tile maxima)."""
+    return _find_nth_tie(x_ptr, row_off, V, ttop_ptr, NT, tl.cast(key, tl.int64),
+                         tl.cast(n, tl.int32), tl.cast(cut_key, tl.int64),
+                         tl.cast(cut_i, tl.int32), SHIFT, BLOCK)
+
+
+@triton.jit(noinline=True)  # (one body for the four calls, their types made alike: compile time)
+def _find_nth_tie(x_ptr, row_off, V, ttop_ptr, NT, key, n, cut_key, cut_i,
+                  SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_nth_tie`."""
     seen = 0
     found = INT_MAX
     for tile in range(0, NT):
-        if (found == INT_MAX) & (_pick(ttop_key, toffs, tile) >= key):
+        if (found == INT_MAX) & (_key(tl.load(ttop_ptr + tile), SHIFT) >= key):
             offs = tile * BLOCK + tl.arange(0, BLOCK)  # (a whole tile per load: one
             y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)  # wait)
             eq = (k == key) & alive & (offs < V)
@@ -188,8 +199,8 @@ def _row_setup(r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_g
 @triton.jit
 def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
             tiletop_ptr, NT, NT_PAD: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """(tile maximum keys [NT_PAD], their offsets, the smallest finite key, min_p's cut key,
-    the candidates' lower bound L, the lowest key whose tiles must be read R)."""
+    """(The smallest finite key, min_p's cut key, the candidates' lower bound L, the lowest key
+    whose tiles must be read R)."""
     toffs = tl.arange(0, NT_PAD)
     tt = tl.load(tiletop_ptr + r.to(tl.int64) * NT + toffs, mask=toffs < NT,
                  other=-float("inf"))
@@ -224,7 +235,7 @@ def _bounds(r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tiles
         lo_p = tl.where(hi_d < 128.0, _key(m - t * hi_d, SHIFT) - 1, lowest)
         lo = tl.maximum(lo, lo_p)
     read = tl.where((~k_on) & p_on & min_on, c_key, lo)
-    return ttop_key, toffs, lowest, c_key, lo, read
+    return lowest, c_key, lo, read
 
 
 @triton.jit(do_not_specialize=["S", "NT"])
@@ -247,7 +258,7 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     read = lo
     c_key = lo
     if ok & (k_on | p_on):
-        _ttop, _toffs, _lowest, c_key, lo, read = _bounds(
+        _lowest, c_key, lo, read = _bounds(
             r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
             tiletop_ptr, NT, NT_PAD, SHIFT, BLOCK)
         flags = 1 + tl.where(p_on & ~k_on, 2, 0) + tl.where(min_on, 4, 0)
@@ -308,73 +319,82 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
     tl.store(tail_ptr + r.to(tl.int64) * tl.num_programs(1) + s, tail)
 
 
-@triton.jit
-def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs, NT,
-                lowest, c_key, tilemax_ptr, tilesum_ptr, r, SHIFT: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """The cut (key, id) by the serial 16-ary search (rows with too many candidates)."""
+@triton.jit(noinline=True)
+def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, lowest,
+                c_key, lo, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """The cut (key, id) by the serial 16-ary search (rows with too many candidates; ``lo``
+    and ``c_key`` from :func:`_bounds`, ``ttop_ptr`` the row's tile maxima)."""
     cut_key = c_key
-    cut_i = INT_MAX + 0 * r
+    cut_i = INT_MAX + 0 * NT
     hi = _key(m, SHIFT) + 1
     m64 = m.to(tl.float64)
     t64 = t.to(tl.float64)
-    if k_on:  # the k-th largest survivor; start from the k-th largest tile maximum
-        lo = cut_key
-        if top_k <= NT:
-            srt = tl.sort(ttop_key, descending=True)
-            lo = tl.maximum(lo, _pick(srt, toffs, top_k - 1))
-        kk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, lo, hi, top_k, 0.0, m, t,
+    if k_on:  # the k-th largest survivor, from _bounds' k-th largest tile maximum
+        kk = _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, top_k, 0.0, m, t,
                      cut_key, cut_i, False, SHIFT, BLOCK)
         if kk >= lo:  # else fewer than k survivors: no cut
-            above, _m = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
+            above, _m = _count_mass(x_ptr, row_off, V, ttop_ptr, NT,
                                     tl.zeros([NQ], tl.int64) + kk + 1, kk + 1, m, t,
                                     cut_key, cut_i, False, SHIFT, BLOCK)
             need = top_k - tl.max(above, axis=0)
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, kk, need, cut_key,
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, kk, need, cut_key,
                              cut_i, SHIFT, BLOCK)
             cut_key = kk
     if p_on:  # top_p over the survivors so far, from the lowest surviving key
-        cnt0, mass0 = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT,
+        cnt0, mass0 = _count_mass(x_ptr, row_off, V, ttop_ptr, NT,
                                   tl.zeros([NQ], tl.int64) + lowest, cut_key, m, t,
                                   cut_key, cut_i, True, SHIFT, BLOCK)
         total = tl.max(mass0, axis=0)
         goal64 = top_p * total
-        pk = _search(x_ptr, row_off, V, ttop_key, toffs, NT, cut_key, hi, 0, goal64, m, t,
+        pk = _search(x_ptr, row_off, V, ttop_ptr, NT, cut_key, hi, 0, goal64, m, t,
                      cut_key, cut_i, True, SHIFT, BLOCK)
         q = tl.arange(0, NQ)
         thr = tl.where(q == 0, pk + 1, pk)
-        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_key, toffs, NT, thr, pk, m, t,
+        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, pk, m, t,
                                 cut_key, cut_i, True, SHIFT, BLOCK)
         mass_gt = _pick(mass, q, 0)
         n_gt = _pick(cnt, q, 0)
         n_tie = _pick(cnt, q, 1) - n_gt
         e = tl.exp((_value(pk, SHIFT).to(tl.float64) - m64) / t64)
         n = _ties_kept(mass_gt, e, goal64, n_tie)
-        cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, pk, n, cut_key, cut_i,
+        cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
                          SHIFT, BLOCK)
         cut_key = pk
     return cut_key, cut_i
 
 
 @triton.jit
-def _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi_key, floor, cut_key, cut_i,
-                hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+                SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """(Counts [NB] int32 of the survivors of (cut_key, cut_i) by exact key, bin b counting
     key ``hi_key - b`` for keys in [max(floor, hi_key - NB + 1), hi_key]; the largest key of
     a token in [floor, bottom of the chunk), where the next chunk starts (floor - 1 if none),
-    so that empty key ranges cost nothing). One read of the tiles whose maximum reaches the
-    chunk's bottom, a whole tile per load (a single program is bound by load latency); the
-    counts are atomic adds into the row's scratch ``hist_ptr`` [NB] (tl.histogram with this
-    many bins is far slower on a GPU); a tile wholly below the chunk gives its maximum."""
+    so that empty key ranges cost nothing). The counts from :func:`_fill_hist`."""
+    nxt = _fill_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+                     SHIFT, BLOCK)
+    return tl.load(hist_ptr + tl.arange(0, NB), volatile=True), nxt
+
+
+@triton.jit(noinline=True)  # (one body for the three calls of _hist_cut: compile time)
+def _fill_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+               SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_chunk_hist`'s counts, written to the row's scratch ``hist_ptr`` [NB] (every
+    thread's writes done on return), and its next key. One read of the tiles whose maximum
+    (``ttop_ptr``: the row's tile maxima) reaches the chunk's bottom, a whole tile per load
+    (a single program is bound by load latency); the counts are atomic adds (tl.histogram
+    with this many bins is far slower on a GPU); a tile wholly below the chunk gives its
+    maximum."""
     bottom = tl.maximum(floor, hi_key - NB + 1)
     bins = tl.arange(0, NB)
     tl.debug_barrier()  # (every thread done reading the previous chunk's counts)
     tl.store(hist_ptr + bins, tl.zeros([NB], tl.int32))
     tl.debug_barrier()
-    below = (ttop_key < bottom) & (ttop_key >= floor) & (toffs < NT)
-    nxt = tl.max(tl.where(below, ttop_key, floor - 1), axis=0)
+    nxt = floor - 1
     for tile in range(0, NT):
-        if _pick(ttop_key, toffs, tile) >= bottom:
+        tk = _key(tl.load(ttop_ptr + tile), SHIFT)
+        if (tk < bottom) & (tk >= floor):
+            nxt = tl.maximum(nxt, tk)
+        if tk >= bottom:
             offs = tile * BLOCK + tl.arange(0, BLOCK)
             y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
             alive &= offs < V
@@ -383,7 +403,7 @@ def _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi_key, floor, cut_key, 
             lower = alive & (k < bottom) & (k >= floor)
             nxt = tl.maximum(nxt, tl.max(tl.where(lower, k, floor - 1), axis=0))
     tl.debug_barrier()
-    return tl.load(hist_ptr + bins, volatile=True), nxt
+    return nxt
 
 
 @triton.jit
@@ -398,8 +418,8 @@ def _bin_mass(h, hi_key, m, t, SHIFT: tl.constexpr):
     return h.to(tl.float64) * e, e
 
 
-@triton.jit
-def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs, NT, c_key,
+@triton.jit(noinline=True)
+def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c_key,
               lo, tail, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts (``lo``
     and ``c_key`` from :func:`_bounds`, ``tail`` from :func:`_tail_mass`), and
@@ -427,7 +447,7 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
         kk = c_key
         need = 0
         while (need == 0) & (j < NCH) & (hi >= floor):
-            h, nxt = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi, floor, c_key,
+            h, nxt = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi, floor, c_key,
                                  INT_MAX + 0 * NT, hist_ptr, SHIFT, BLOCK)
             run = seen + tl.cumsum(h, axis=0)
             bk = tl.min(tl.where(run >= top_k, b, NB), axis=0)
@@ -438,7 +458,7 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
             hi = nxt
             j += 1
         if need > 0:
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, kk, need, c_key,
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, kk, need, c_key,
                              INT_MAX + 0 * NT, SHIFT, BLOCK)
             cut_key = kk
         else:  # fewer than k survivors (no cut) only if every key down to the floor was seen
@@ -453,7 +473,7 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
         j = 0
         hi = top
         while (j < NCH) & (hi >= floor):
-            h_last, nxt = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hi, floor,
+            h_last, nxt = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi, floor,
                                       cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
             mass, _e = _bin_mass(h_last, hi, m, t, SHIFT)
             cm = tl.where(q == j, tl.sum(mass, axis=0), cm)
@@ -472,14 +492,14 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_key, toffs
             h = h_last
             hc = _pick(his, q, jc)
             if jc != j - 1:
-                h, _n = _chunk_hist(x_ptr, row_off, V, ttop_key, toffs, NT, hc, floor,
+                h, _n = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hc, floor,
                                     cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
             mass, e = _bin_mass(h, hc, m, t, SHIFT)
             m_before = _pick(before, q, jc) + tl.cumsum(mass, axis=0) - mass
             bp = tl.max(tl.where((h > 0) & (m_before < goal), b, -1), axis=0)
             pk = hc - bp
             n = _ties_kept(_pick(m_before, b, bp), _pick(e, b, bp), goal, _pick(h, b, bp))
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_key, toffs, NT, pk, n, cut_key, cut_i,
+            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
                              SHIFT, BLOCK)
             cut_key = pk
     return cut_key, cut_i, ok
@@ -526,7 +546,7 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     cut_key = _key(tl.full((), -float("inf"), tl.float32), SHIFT)
     cut_i = INT_MAX + 0 * r
     if ok:
-        ttop_key, toffs, lowest, c_key, lo, read = _bounds(
+        lowest, c_key, lo, _read = _bounds(
             r, m, t, top_k, top_p, min_p, k_on, p_on, min_on, tilemax_ptr, tilesum_ptr,
             tiletop_ptr, NT, NT_PAD, SHIFT, BLOCK)
         cut_key = c_key
@@ -579,16 +599,17 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                 if SHIFT > 0:  # (float32 values are nearly all distinct: a key per token)
                     cut_key, cut_i, found = _hist_cut(
                         x_ptr, r.to(tl.int64) * stride, V, m, t, top_k, top_p, k_on, p_on,
-                        ttop_key, toffs, NT, c_key, lo, _tail_mass(tail_ptr, r, SG),
+                        tiletop_ptr + r.to(tl.int64) * NT, NT, c_key, lo,
+                        _tail_mass(tail_ptr, r, SG),
                         hist_ptr + r.to(tl.int64) * NB, SHIFT, BLOCK)
                 if found:
                     tl.atomic_add(serial_ptr + 1, 1)
                 else:
                     tl.atomic_add(serial_ptr, 1)
                     cut_key, cut_i = _serial_cut(x_ptr, r.to(tl.int64) * stride, V, m, t,
-                                                 top_k, top_p, k_on, p_on, ttop_key, toffs, NT,
-                                                 lowest, c_key, tilemax_ptr, tilesum_ptr, r,
-                                                 SHIFT, BLOCK)
+                                                 top_k, top_p, k_on, p_on,
+                                                 tiletop_ptr + r.to(tl.int64) * NT, NT,
+                                                 lowest, c_key, lo, SHIFT, BLOCK)
     tl.store(cut_v_ptr + r, _value(cut_key, SHIFT))
     tl.store(cut_i_ptr + r, cut_i)
     tl.store(done_ptr + r, done)

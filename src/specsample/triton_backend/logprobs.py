@@ -212,8 +212,8 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                          CAND: tl.constexpr, CAND_PAD: tl.constexpr, SMALL: tl.constexpr,
                          S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
     """Per position: column 0 (the emitted token's logprob), columns 1..n (``_emit_sorted``
-    of its candidates: a sort of SMALL keys when that many hold them, as they usually do,
-    else of CAND_PAD), -inf / -1 elsewhere and at positions not emitted."""
+    of its candidates when at most SMALL hold them, as they usually do, else of the best n of
+    its up to CAND_PAD), -inf / -1 elsewhere and at positions not emitted."""
     p = tl.program_id(0)
     tok = tl.load(token_ids_ptr + p)  # (with the position's scalars: one round of loads fewer)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
@@ -254,16 +254,19 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
         if n_want > 0:
             count = tl.load(count_ptr + r)
             o_c = p.to(tl.int64) * CAND
-            if count <= SMALL:  # (the branches' tensors differ in shape: one call each)
-                cs = tl.arange(0, SMALL)
-                _emit_sorted(tl.load(cand_ptr + o_c + cs, mask=cs < count, other=EMPTY),
-                             n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
-            else:
-                cb = tl.arange(0, CAND_PAD)
-                _emit_sorted(tl.load(cand_ptr + o_c + cb, mask=cb < count, other=EMPTY),
-                             n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                             out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
+            cs = tl.arange(0, SMALL)
+            if count <= SMALL:
+                keys = tl.load(cand_ptr + o_c + cs, mask=cs < count, other=EMPTY)
+            else:  # (rare) their best n, one maximum at a time: no sort of CAND_PAD keys,
+                cb = tl.arange(0, CAND_PAD)  # whose code took seconds to compile
+                pool = tl.load(cand_ptr + o_c + cb, mask=cb < count, other=EMPTY)
+                keys = tl.full([SMALL], EMPTY, tl.int64)
+                for c in range(0, n_want):
+                    best = tl.max(pool, axis=0)  # (keys are distinct: one id each)
+                    keys = tl.where(cs == c, best, keys)
+                    pool = tl.where(pool == best, EMPTY, pool)
+            _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r,
+                         V, out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
 
 
 def supported(plan: Plan, general: bool) -> bool:
