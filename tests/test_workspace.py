@@ -239,3 +239,27 @@ def test_garbage_in_the_triton_intermediates_never_reaches_a_result(monkeypatch)
             assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(
                 a, b, equal_nan=True)
     workspace.release()
+
+
+def test_call_block_looks_the_stream_up_once(monkeypatch):
+    # An eager call asks for a dozen scratch tensors; each once asked CUDA for the capture
+    # state and the current stream (3-5 us of host time each on an H200 host). Within a
+    # call() block they are looked up once; the tensors are the ones asked for outside it.
+    lookups = []
+    real = workspace.stream_key
+    monkeypatch.setattr(workspace, "stream_key", lambda d: lookups.append(d) or real(d))
+    cpu = torch.device("cpu")
+    outside = [workspace.scratch(f"t{i}", (3,), torch.float32, cpu) for i in range(4)]
+    assert len(lookups) == 4
+    lookups.clear()
+    with workspace.call(cpu):
+        inside = [workspace.scratch(f"t{i}", (3,), torch.float32, cpu) for i in range(4)]
+        zeros = workspace.counters("c", (2,), cpu)
+        assert not workspace.capturing(cpu)
+        with workspace.call(cpu):  # (nested)
+            workspace.scratch("t0", (3,), torch.float32, cpu)
+        workspace.scratch("t1", (3,), torch.float32, torch.device("meta"))  # another device
+    assert len(lookups) == 3  # (the two blocks, the other device)
+    assert all(a is b for a, b in zip(inside, outside)) and zeros.eq(0).all()
+    workspace.scratch("t0", (3,), torch.float32, cpu)  # (after the block: looked up again)
+    assert len(lookups) == 4

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import paths, torch_backend
+from . import paths, torch_backend, workspace
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch
@@ -111,7 +111,8 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         kind = ("general" if batch.needs_general_path else
                 "filtered" if batch.needs_filter else "fused")
         paths.record(f"triton.{op}.{kind}", plan.num_rows)
-        out, err = triton_backend.run(plan, op)
+        with workspace.call(plan.logits.device):
+            out, err = triton_backend.run(plan, op)
     else:
         paths.record(f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}",
                      plan.num_rows)

@@ -245,8 +245,7 @@ def one_launch(device: torch.device) -> bool:
     stream captures a CUDA graph: a graph replays its launches without host work, and there
     the three launches are 1-4 us faster at B = 8-32 (H200; BENCHMARKS.md). Both give the same
     tokens. :func:`separate_launches` turns it off in a block (warmup compiles both)."""
-    return not _SEPARATE.get() and not (
-        device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return not _SEPARATE.get() and not workspace.capturing(device)
 
 
 @contextlib.contextmanager
