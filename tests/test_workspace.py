@@ -263,3 +263,23 @@ def test_call_block_looks_the_stream_up_once(monkeypatch):
     assert all(a is b for a, b in zip(inside, outside)) and zeros.eq(0).all()
     workspace.scratch("t0", (3,), torch.float32, cpu)  # (after the block: looked up again)
     assert len(lookups) == 4
+
+
+def test_triton_calls_look_the_stream_up_once_per_call(monkeypatch):
+    # verify() and verify_tree() on the Triton backend each run in one call() block (a review
+    # found verify_tree's path outside it: 19 look-ups per call); verify_tree also keys its
+    # cached tree shapes by the stream (one more).
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    lookups = []
+    real = workspace.stream_key
+    monkeypatch.setattr(workspace, "stream_key", lambda d: lookups.append(d) or real(d))
+    batch = SamplingBatch.from_params(
+        [SamplingParams(temperature=0.8, seed=i, top_k=5, logprobs=2) for i in range(2)],
+        vocab_size=300)
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    specsample.verify(x, torch.tensor([1, 2, 3, 4]), [2, 2], batch, positions=torch.arange(2))
+    assert len(lookups) == 1
+    lookups.clear()
+    specsample.verify_tree(x, [1, 2, 3, 4], [0, 0, 0, 1], [2, 2], batch,
+                           positions=torch.arange(2))
+    assert len(lookups) == 2

@@ -84,10 +84,11 @@ def _draft_kind(plan: Plan) -> str:
     return "onehot"
 
 
-def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str) -> None:
-    """ValueError when a call that synchronises with the host runs inside CUDA-graph capture
-    (the capture would fail later with an opaque CUDA error)."""
-    if not _capturing():
+def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str,
+                         device: torch.device) -> None:
+    """ValueError when a call on ``device`` that synchronises with the host runs inside
+    CUDA-graph capture (the capture would fail later with an opaque CUDA error)."""
+    if not (workspace.capturing(device) if device.type == "cuda" else _capturing()):
         return
     if backend == "torch":
         raise ValueError(f"{op}() on the torch backend synchronises with the host and cannot "
@@ -100,9 +101,15 @@ def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str) -> None:
 
 
 def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
+    # (one look-up of the capture state and stream for the whole call: workspace.call)
+    with workspace.call(plan.logits.device):
+        return _run_in_call(plan, op)
+
+
+def _run_in_call(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     backend = select_backend(plan.logits.device)
     batch = plan.batch
-    _refuse_uncapturable(backend, batch, op)
+    _refuse_uncapturable(backend, batch, op, plan.logits.device)
     n_greedy = batch.num_greedy
     # Recorded before running, so that a forbidden path raises before doing any work.
     if backend == "triton":
@@ -111,8 +118,7 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         kind = ("general" if batch.needs_general_path else
                 "filtered" if batch.needs_filter else "fused")
         paths.record(f"triton.{op}.{kind}", plan.num_rows)
-        with workspace.call(plan.logits.device):
-            out, err = triton_backend.run(plan, op)
+        out, err = triton_backend.run(plan, op)
     else:
         paths.record(f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}",
                      plan.num_rows)

@@ -687,7 +687,8 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
 
         kind = ("" if draft_probs is None else "draft_probs.") + triton_tree.path_kind(batch)
         paths.record(f"triton.verify_tree.{kind}", n + total)
-        out, err = triton_tree.run_tree(plan)
+        with workspace.call(plan.logits.device):
+            out, err = triton_tree.run_tree(plan)
     else:
         kind = "onehot" if draft_probs is None else "draft_probs"
         paths.record(f"torch.verify_tree.{kind}", n + total)

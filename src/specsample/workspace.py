@@ -70,7 +70,9 @@ def call(device: torch.device):
     ``device`` (and :func:`capturing`) use the capture state and the stream's caches looked up
     once at its start, instead of asking CUDA at every request (two to three driver queries,
     3-5 us of host time each time on an H200 host; an eager call makes a dozen requests). The
-    block must not change the current stream or start a capture. Blocks nest."""
+    block must not change the current device or stream or start a capture (``device`` is the
+    current CUDA device, as every launch's tensors are), and a :func:`release` inside it takes
+    effect after it. Blocks nest."""
     cap = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     prev = _LOCAL.__dict__.get("call")
     _LOCAL.call = (device, cap, None if cap else _stream_cache(*stream_key(device)))
@@ -92,8 +94,13 @@ def _state(device: torch.device) -> tuple[bool, tuple[dict, dict] | None]:
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream of ``device`` captures a graph (False off CUDA)."""
-    return _state(device)[0]
+    """Whether the current CUDA device's current stream captures a graph, for a CUDA
+    ``device`` (False elsewhere): from the enclosing :func:`call` block on ``device``, else
+    asked now."""
+    c = _LOCAL.__dict__.get("call")
+    if c is not None and c[0] == device:
+        return c[1]
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _stream_cache(device: torch.device, stream) -> tuple[dict, dict]:

@@ -105,7 +105,7 @@ def _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, 
     return cnt, mass
 
 
-@triton.jit(noinline=True)  # (one body per BY_MASS, not one per call: compile time)
+@triton.jit(noinline=True)  # (a body of its own: the kernel's stays smaller to compile)
 def _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
             cut_key, cut_i, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """The largest key in [lo, hi) whose count (or float64 mass) of survivors at or above it
