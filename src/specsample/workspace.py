@@ -73,7 +73,7 @@ def call(device: torch.device):
     block must not change the current device or stream or start a capture (``device`` is the
     current CUDA device, as every launch's tensors are), and a :func:`release` inside it takes
     effect after it. Blocks nest."""
-    cap = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cap = _capturing_now(device)
     prev = _LOCAL.__dict__.get("call")
     _LOCAL.call = (device, cap, None if cap else _stream_cache(*stream_key(device)))
     try:
@@ -82,13 +82,24 @@ def call(device: torch.device):
         _LOCAL.call = prev
 
 
+def _block(device: torch.device) -> tuple | None:
+    """The enclosing :func:`call` block's (device, capturing, caches) when it is on
+    ``device``, else None."""
+    c = _LOCAL.__dict__.get("call")
+    return c if c is not None and c[0] == device else None
+
+
+def _capturing_now(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _state(device: torch.device) -> tuple[bool, tuple[dict, dict] | None]:
     """(whether the current stream captures a CUDA graph, its caches or None when it
     does): from the enclosing :func:`call` block on ``device``, else asked now."""
-    c = _LOCAL.__dict__.get("call")
-    if c is not None and c[0] == device:
+    c = _block(device)
+    if c is not None:
         return c[1], c[2]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing_now(device):
         return True, None
     return False, _stream_cache(*stream_key(device))
 
@@ -97,10 +108,8 @@ def capturing(device: torch.device) -> bool:
     """Whether the current CUDA device's current stream captures a graph, for a CUDA
     ``device`` (False elsewhere): from the enclosing :func:`call` block on ``device``, else
     asked now."""
-    c = _LOCAL.__dict__.get("call")
-    if c is not None and c[0] == device:
-        return c[1]
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    c = _block(device)
+    return c[1] if c is not None else _capturing_now(device)
 
 
 def _stream_cache(device: torch.device, stream) -> tuple[dict, dict]:
