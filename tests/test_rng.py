@@ -130,3 +130,45 @@ def test_sub_stream():
     assert rng.sub_stream(tile) == rng.STREAM_DRAFT_SUB | 4 << 8
     with pytest.raises(ValueError, match="tile stream"):
         rng.sub_stream(rng.STREAM_SAMPLE)
+
+
+try:  # the Triton kernels' Philox: the code the GPU compiles (conftest swaps the interpreter's)
+    import triton
+    import triton.language as tl
+
+    from specsample.triton_backend import kernels
+except ImportError:
+    triton = None
+else:
+    PHILOX_JIT = getattr(kernels._philox_words01, "jit", kernels._philox_words01)
+
+    @triton.jit
+    def _words_kernel(c_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        w0, w1 = PHILOX_JIT(tl.load(c_ptr + i).to(tl.uint32),
+                            tl.load(c_ptr + N + i).to(tl.uint32),
+                            tl.load(c_ptr + 2 * N + i).to(tl.uint32),
+                            tl.load(c_ptr + 3 * N + i).to(tl.uint32),
+                            tl.load(c_ptr + 4 * N + i).to(tl.uint32),
+                            tl.load(c_ptr + 5 * N + i).to(tl.uint32))
+        tl.store(out_ptr + i, w0.to(tl.int64))
+        tl.store(out_ptr + N + i, w1.to(tl.int64))
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton")
+def test_the_kernels_philox_gives_the_known_answers_and_rngs_words():
+    """``kernels._philox_words01`` (Triton code, as the GPU compiles it) against the known
+    answers and :func:`rng.philox` on random words. In the interpreter the rest of the suite
+    draws with numpy instead (``conftest._philox_in_numpy``); this runs the Triton code."""
+    g = torch.Generator().manual_seed(11)
+    n = 64
+    c = torch.randint(0, 2**32, (6, n), generator=g)
+    for j, (inputs, _) in enumerate(KAT):
+        c[:, j] = torch.tensor(inputs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(2, n, dtype=torch.int64, device=device)
+    _words_kernel[(1,)](c.to(device), out, N=n)
+    want = rng.philox(*c)
+    assert out[0].cpu().tolist() == want[0].tolist()
+    assert out[1].cpu().tolist() == want[1].tolist()
+    assert out[:, :len(KAT)].T.cpu().tolist() == [[e[0], e[1]] for _, e in KAT]
