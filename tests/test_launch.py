@@ -150,3 +150,22 @@ def test_launch_hooks_still_run():
     assert len(seen) == 1
     _run(x, 1.0)
     assert len(seen) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_known_specialisations_launch_through_the_c_launcher():
+    # On the Triton version it was checked against, a kernel without scratch memory is kept
+    # with the C launcher that CudaLauncher.__call__ calls (launch._launcher), and its
+    # direct launches give the same results.
+    x = torch.arange(64, dtype=torch.float32, device="cuda")
+    for step in (1.0, 2.0, 3.0):
+        torch.testing.assert_close(_run(x, step), x + step)
+    entries = [v for k, v in launch_module._COMPILED.items() if k[0] is _add_kernel]
+    assert entries
+    for run, _function, head, _pad in entries:
+        if launch_module._C_LAUNCH_CHECKED:
+            assert len(head) == 4 + 4  # (flags, two scratch pointers, metadata, hooks)
+            assert run.__name__ == "launch"  # (the C launcher, not CudaLauncher.__call__)
+        else:
+            assert head[1:] == (None, None, None)

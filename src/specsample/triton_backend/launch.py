@@ -33,12 +33,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime.driver import driver
 
 # (kernel, device, argument key, meta items, meta types, debug, instrumentation)
 #   -> (launcher, function handle, launcher arguments before the kernel's, constexpr padding)
 _COMPILED: dict[tuple, Any] = {}
+# The Triton version whose CudaLauncher.__call__ argument order ``_launcher`` reproduces.
+_C_LAUNCH_CHECKED = triton.__version__.split(".")[:2] == ["3", "6"]
 _I32 = 1 << 31
 _I64 = 1 << 63
 _U64 = 1 << 64
@@ -122,9 +125,12 @@ def _launcher(compiled: Any) -> tuple[Any, tuple]:
     two scratch allocations per launch, then calls its C launcher with the cooperative-grid
     and PDL flags and the two scratch pointers; for a kernel that needs neither scratch
     (sizes 0: all of ours) the C launcher is called directly with the flags and two Nones,
-    which is the same call without 3-5 us of Python per launch. Anything else keeps
-    ``compiled.run``."""
+    which is the same call without 3-5 us of Python per launch. Only on the Triton minor
+    version whose launcher this was checked against (``_C_LAUNCH_CHECKED``); anything else
+    keeps ``compiled.run``."""
     run = compiled.run
+    if not _C_LAUNCH_CHECKED:
+        return run, ()
     try:
         if run.global_scratch_size == 0 and run.profile_scratch_size == 0:
             return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
