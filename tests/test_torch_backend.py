@@ -25,6 +25,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 VOCABS = [2, 3, 5, 8, 33, 256, 1000, 3000]
 
 STATS = {"requests": 0, "mismatch": 0, "fragile": 0}
+# (the module's tests share STATS, which its last test checks: one test worker runs them all,
+# in order, under --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("torch_backend_stats")
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     report_multiple_bugs=False,
