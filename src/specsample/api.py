@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import paths, torch_backend, workspace
+from . import call_cache, paths, torch_backend, workspace
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch
@@ -134,6 +134,26 @@ def _run_in_call(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     if n_greedy < batch.num_requests:
         paths.record("requests.sampled", batch.num_requests - n_greedy)
     return out, err
+
+
+def _fresh_positions(logits, positions):
+    """The Triton backend's one-launch ``fresh_positions`` for a call with ``positions=None``
+    on it (so that the call is only launches: ``call_cache``), else None."""
+    if positions is None and isinstance(logits, torch.Tensor) and (
+            select_backend(logits.device) == "triton"):
+        from .triton_backend.layout import fresh_positions
+        return fresh_positions
+    return None
+
+
+def _flat(out: VerifyOutput, err: torch.Tensor) -> tuple:
+    """(out, err) as the tuple of tensors ``call_cache`` records and replays."""
+    return (out.token_ids, out.num_accepted, out.logprobs, out.logprob_token_ids, out.invalid,
+            err)
+
+
+def _unflat(t: tuple) -> tuple[VerifyOutput, torch.Tensor]:
+    return VerifyOutput(*t[:5]), t[5]
 
 
 def _mark_layout_errors(out: VerifyOutput, err: torch.Tensor, layout_err: torch.Tensor
@@ -279,11 +299,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
     if logits_index is not None:
         logits = _gather_rows(logits, logits_index, n)
     _check_logits_rows(logits, n)
-    plan = build_plan(logits, batch, draft_token_ids=None,
-                      num_draft_tokens=[0] * n, draft_logits=None,
-                      draft_probs=None, positions=positions, method="token",
-                      logits_name="logits")
-    out, err = _run(plan, "sample")
+
+    def call() -> tuple:
+        plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
+                          draft_logits=None, draft_probs=None, positions=positions,
+                          method="token", logits_name="logits",
+                          fresh=_fresh_positions(logits, positions))
+        return _flat(*_run(plan, "sample"))
+
+    keyed = call_cache.call_key("sample", logits, batch, None, None, None, None, positions,
+                                "token", None)
+    out, err = _unflat(call_cache.run(keyed, batch, call))
     if strict:
         _raise_if_invalid(err)
     lp = None if out.logprobs is None else out.logprobs[:, 0]
@@ -359,15 +385,24 @@ def verify(
                          "order is verify(target_logits, draft_token_ids, num_draft_tokens, "
                          "batch, ...)")
     _check_batch(batch)
-    device_layout = None
-    if max_num_draft_tokens is not None and isinstance(target_logits, torch.Tensor) and (
-            select_backend(target_logits.device) == "triton"):
-        from .triton_backend.layout import device_layout  # (one launch)
-    plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
-                      num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
-                      draft_probs=draft_probs, positions=positions, method=method,
-                      max_num_draft_tokens=max_num_draft_tokens, device_layout=device_layout)
-    out, err = _run(plan, "verify")
+
+    def call() -> tuple:
+        device_layout = None
+        if max_num_draft_tokens is not None and isinstance(target_logits, torch.Tensor) and (
+                select_backend(target_logits.device) == "triton"):
+            from .triton_backend.layout import device_layout  # (one launch)
+        plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
+                          num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
+                          draft_probs=draft_probs, positions=positions, method=method,
+                          max_num_draft_tokens=max_num_draft_tokens,
+                          device_layout=device_layout,
+                          fresh=_fresh_positions(target_logits, positions))
+        return _flat(*_run(plan, "verify"))
+
+    keyed = call_cache.call_key("verify", target_logits, batch, draft_token_ids,
+                                num_draft_tokens, draft_logits, draft_probs, positions, method,
+                                max_num_draft_tokens)
+    out, err = _unflat(call_cache.run(keyed, batch, call))
     if strict:
         _raise_if_invalid(err)
     return out

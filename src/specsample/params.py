@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import call_cache
 from .rng import split_seed
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -344,6 +345,11 @@ class SamplingBatch:
     needs_bias: bool = False
     needs_bans: bool = False  # some request has allowed_token_ids, bad words or min_tokens left
     max_logprobs: int = -1  # -1: nobody asked for logprobs
+
+    def __setattr__(self, name: str, value) -> None:
+        # Any change drops the eager calls recorded with this batch (specsample.call_cache).
+        object.__setattr__(self, name, value)
+        call_cache.forget(self)
 
     @property
     def num_requests(self) -> int:

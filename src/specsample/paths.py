@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fnmatch
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,9 @@ from collections.abc import Iterator
 _lock = threading.Lock()
 _counts: dict[str, dict[str, int]] = {}
 _forbidden: list[str] = []
+# specsample.call_cache's recording in this thread or task: a list that every record joins
+recording: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "specsample_paths_recording", default=None)
 
 
 class ForbiddenPathError(RuntimeError):
@@ -40,6 +44,28 @@ def record(name: str, rows: int) -> None:
         entry = _counts.setdefault(name, {"calls": 0, "rows": 0})
         entry["calls"] += 1
         entry["rows"] += int(rows)
+    rec = recording.get()
+    if rec is not None:
+        rec.append((name, int(rows)))
+
+
+def record_many(entries: tuple[tuple[str, int], ...]) -> None:
+    """:func:`record` of every (name, rows) in ``entries``, under one lock; raises before
+    counting any of them if one is forbidden (a replayed call's counts: ``call_cache``)."""
+    with _lock:
+        for pattern in _forbidden:
+            for name, _rows in entries:
+                if fnmatch.fnmatchcase(name, pattern):
+                    raise ForbiddenPathError(f"path {name!r} is forbidden (pattern {pattern!r})")
+        for name, rows in entries:
+            entry = _counts.get(name)
+            if entry is None:
+                entry = _counts[name] = {"calls": 0, "rows": 0}
+            entry["calls"] += 1
+            entry["rows"] += rows
+    rec = recording.get()
+    if rec is not None:
+        rec.extend(entries)
 
 
 def counts() -> dict[str, dict[str, int]]:

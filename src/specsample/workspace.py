@@ -197,7 +197,27 @@ def _kept_zeros(name, shape: tuple[int, ...], dtype: torch.dtype,
     return t
 
 
+_GENERATION = [0]
+_ON_RELEASE: list = []
+
+
+def generation() -> int:
+    """How many times :func:`release` has run, in any thread (what holds buffers across
+    calls keys by it)."""
+    return _GENERATION[0]
+
+
+def on_release(fn) -> None:
+    """Call ``fn()`` at every :func:`release` (``call_cache`` drops its entries, which hold
+    buffers)."""
+    _ON_RELEASE.append(fn)
+
+
 def release() -> None:
-    """Free this thread's buffers (they are allocated again on the next call)."""
+    """Free this thread's buffers (they are allocated again on the next call), and drop the
+    eager calls recorded with them (``specsample.call_cache``)."""
     for name in ("bufs", "streams"):
         _LOCAL.__dict__.pop(name, None)
+    _GENERATION[0] += 1
+    for fn in _ON_RELEASE:
+        fn()

@@ -46,6 +46,7 @@ import warnings
 
 import torch
 import triton
+from triton import knobs
 
 from .. import paths, rng, workspace
 from ..outputs import VerifyOutput
@@ -53,7 +54,7 @@ from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
 from . import filters, kernels, layout
 from . import logprobs as logprobs_kernels
-from .launch import launch
+from .launch import _hooked, launch
 
 S_MAX = 128  # most vocabulary splits of one row
 # Mantissa bits that are zero in every float32 value converted from the logits' dtype: the
@@ -246,6 +247,15 @@ def one_launch(device: torch.device) -> bool:
     the three launches are 1-4 us faster at B = 8-32 (H200; BENCHMARKS.md). Both give the same
     tokens. :func:`separate_launches` turns it off in a block (warmup compiles both)."""
     return not _SEPARATE.get() and not workspace.capturing(device)
+
+
+def launch_settings() -> tuple | None:
+    """What decides a call's launches beyond its arguments (``specsample.call_cache`` keys
+    by it): :func:`separate_launches`, Triton's debug and instrumentation settings. None while
+    Triton launch hooks are installed (a profiler: calls are then not replayed)."""
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return None
+    return _SEPARATE.get(), knobs.runtime.debug, knobs.compilation.instrumentation_mode
 
 
 @contextlib.contextmanager

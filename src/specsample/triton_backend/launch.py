@@ -25,7 +25,9 @@ interpreter goes through ``kernel[grid]``. What it skips: the string key, the dr
 check (our callers validate devices), and the check that the globals a kernel reads have not
 changed since it compiled (ours are module constants that nothing reassigns).
 ``compile_pool.collect`` sets ``_COMPILED`` aside while it lists variants, so that every launch
-then reaches its hook.
+then reaches its hook. While ``specsample.call_cache`` records a call, each direct launch is
+added to the recording, and a launch that takes Triton's path fails it: every kernel a
+``sample()`` / ``verify()`` call runs must be launched through :class:`launch`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime.driver import driver
+
+from ..call_cache import recording
 
 # (kernel, device, argument key, meta items, meta types, debug, instrumentation)
 #   -> (launcher, function handle, launcher arguments before the kernel's, constexpr padding)
@@ -89,11 +93,14 @@ class _Launch:
     def __call__(self, *args: Any, **meta: Any) -> None:
         kernel, grid = self.kernel, self.grid
         keyed = None
+        rec = recording()
         if hasattr(kernel, "device_caches") and not (
                 _hooked(knobs.runtime.launch_enter_hook)
                 or _hooked(knobs.runtime.launch_exit_hook)):
             keyed = arg_key(args)  # (else Triton's interpreter, or launch hooks that read
         if keyed is None:          # the arguments as given)
+            if rec is not None:
+                rec.fail("launch.triton")
             kernel[grid](*args, **meta)
             return
         akey, values = keyed
@@ -103,6 +110,8 @@ class _Launch:
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         entry = _COMPILED.get(key)
         if entry is None:
+            if rec is not None:
+                rec.fail("launch.first")
             compiled = kernel[grid](*args, **meta)  # compiles if needed, and launches
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
@@ -117,6 +126,8 @@ class _Launch:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], g1, g2, stream, function, *head, *values, *pad)
+        if rec is not None:
+            rec.launch(run, (grid[0], g1, g2), stream, function, head, args, values, pad)
 
 
 def _launcher(compiled: Any) -> tuple[Any, tuple]:

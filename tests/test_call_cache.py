@@ -1,0 +1,360 @@
+"""specsample.call_cache: eager calls recorded, checked and replayed.
+
+On CPU the machinery is driven with a stand-in "kernel" (``ctypes.memmove`` between the
+addresses a launch is given), so the recording, the address slots, the refusals and the
+invalidation are tested without a GPU; the GPU tests replay real verify() / sample() calls
+against the same calls with the cache off, token for token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, call_cache, paths, workspace
+
+
+def _batch(device="cpu", n=1, vocab=8, **kw):
+    return SamplingBatch.from_params([SamplingParams(seed=i, **kw) for i in range(n)],
+                                     vocab_size=vocab, device=device)
+
+
+def _copy_kernel(g0, g1, g2, stream, function, *rest):
+    """The stand-in launcher: rest = (src, dst, nbytes, offset): dst[:] = src + offset bytes."""
+    src, dst, nbytes, offset = rest
+    ctypes.memmove(dst, src + offset, nbytes)
+
+
+class _Call:
+    """A call that allocates its output, "launches" a copy of ``x`` (from byte ``offset``, a
+    view) into it, and reads one long-lived tensor; ``extra`` runs inside (to add an op)."""
+
+    def __init__(self, keep: torch.Tensor, offset: int = 0, extra=None) -> None:
+        self.keep, self.offset, self.extra, self.calls = keep, offset, extra, 0
+
+    def __call__(self, x: torch.Tensor):
+        self.calls += 1
+        paths.record("test.call_cache.body", x.shape[0])
+        src = x[self.offset // x.element_size():]  # (a view: its address is x's plus offset)
+        out = torch.empty(src.shape[0], dtype=x.dtype)
+        nbytes = out.numel() * out.element_size()
+        args = (src, out, nbytes, 0)
+        values = [src.data_ptr(), out.data_ptr(), nbytes, 0]
+        rec = call_cache.recording()
+        if rec is not None:
+            rec.launch(_copy_kernel, (1, 1, 1), 0, 0, (), args, values, ())
+            rec.launch(_copy_kernel, (1, 1, 1), 0, 0, (), (self.keep, self.keep, 4, 0),
+                       [self.keep.data_ptr(), self.keep.data_ptr(), 4, 0], ())
+        _copy_kernel(1, 1, 1, 0, 0, *values)
+        if self.extra is not None:
+            self.extra(out)
+        return (out, None)
+
+
+def _run(batch, fn, x, key=("k",)):
+    return call_cache.run((key, [x]), batch, lambda: fn(x))
+
+
+def test_third_call_on_replays_with_new_addresses():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    paths.reset()
+    for step in range(6):
+        x = torch.arange(10, dtype=torch.float32) + 100 * step
+        out, none = _run(batch, fn, x)
+        assert none is None
+        assert torch.equal(out, x)
+    assert fn.calls == 3  # the first call, then two recordings; then replays
+    counts = paths.counts()
+    assert counts["host.replay"] == {"calls": 3, "rows": 30}
+    assert counts["test.call_cache.body"]["calls"] == 6  # replays count the recorded paths
+    assert not any(k.startswith("host.replay_refused") for k in counts)
+
+
+def test_replay_keeps_view_offsets():
+    batch, fn = _batch(), _Call(torch.zeros(4), offset=8)  # reads x from element 2
+    for step in range(5):
+        x = torch.arange(10, dtype=torch.float32) * (step + 1)
+        out, _ = _run(batch, fn, x)
+        assert torch.equal(out, x[2:])
+
+
+def test_allocations_are_made_again():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+
+    def with_full(x):
+        out, _ = fn(x)
+        marker = torch.full((3,), -1.0)  # (a fresh allocation the call returns)
+        rec = call_cache.recording()
+        if rec is not None:  # "a kernel" adds out[0] to it
+            rec.launch(_add_kernel, (1, 1, 1), 0, 0, (), (out, marker), [0, 0], ())
+        _add_kernel(1, 1, 1, 0, 0, out.data_ptr(), marker.data_ptr())
+        return out, marker
+
+    paths.reset()
+    for step in range(5):
+        x = torch.arange(10, dtype=torch.float32) + step
+        out, marker = call_cache.run((("k",), [x]), batch, lambda x=x: with_full(x))
+        assert torch.equal(out, x)
+        assert torch.equal(marker, torch.tensor([step - 1.0, -1.0, -1.0]))
+    assert paths.counts()["host.replay"]["calls"] == 2
+
+
+def _add_kernel(g0, g1, g2, stream, function, src, dst):
+    """dst[0] += src[0] (float32 addresses)."""
+    a = ctypes.c_float.from_address(src)
+    b = ctypes.c_float.from_address(dst)
+    b.value = b.value + a.value
+
+
+def test_an_operation_refuses_the_key_for_good():
+    batch = _batch()
+    fn = _Call(torch.zeros(4), extra=lambda out: out.add_(1))
+    paths.reset()
+    for step in range(5):
+        x = torch.arange(10, dtype=torch.float32) + step
+        out, _ = _run(batch, fn, x)
+        assert torch.equal(out, x + 1)
+    assert fn.calls == 5
+    counts = paths.counts()
+    assert counts["host.replay_refused.op.aten.add_.Tensor"]["calls"] == 1
+    assert "host.replay" not in counts
+
+
+def test_recordings_that_disagree_are_refused():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    paths.reset()
+    results = []
+    for step in range(5):
+        fn.keep = torch.zeros(4 + step)  # a long-lived tensor that is not the same each call
+        x = torch.arange(10, dtype=torch.float32) + step
+        out, _ = _run(batch, fn, x)
+        results.append(torch.equal(out, x))
+    assert all(results) and fn.calls == 5
+    assert paths.counts()["host.replay_refused.unstable"]["calls"] == 1
+
+
+def test_a_failed_recording_is_refused():
+    batch = _batch()
+    fn = _Call(torch.zeros(4))
+
+    def failing(x):
+        rec = call_cache.recording()
+        if rec is not None:
+            rec.fail("launch.triton")
+        return fn(x)
+
+    paths.reset()
+    for step in range(4):
+        _run(batch, failing, torch.arange(10, dtype=torch.float32) + step)
+    assert fn.calls == 4
+    assert paths.counts()["host.replay_refused.launch.triton"]["calls"] == 1
+
+
+def test_inputs_sharing_storage_are_refused():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    paths.reset()
+    for _ in range(4):
+        buf = torch.arange(20, dtype=torch.float32)
+        x, y = buf[:10], buf[10:]
+        call_cache.run((("k",), [x, y]), batch, lambda x=x: fn(x))
+    assert fn.calls == 4
+    assert paths.counts()["host.replay_refused.shared_storage"]["calls"] == 1
+
+
+def test_changed_batch_or_released_workspace_records_again():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    for step in range(3):
+        _run(batch, fn, torch.arange(10, dtype=torch.float32) + step)
+    assert fn.calls == 3
+    _run(batch, fn, torch.arange(10, dtype=torch.float32))
+    assert fn.calls == 3  # replayed
+    batch.needs_bans = batch.needs_bans  # any attribute set drops the entries
+    _run(batch, fn, torch.arange(10, dtype=torch.float32))
+    assert fn.calls == 4
+    for _ in range(3):
+        _run(batch, fn, torch.arange(10, dtype=torch.float32))
+    assert fn.calls == 6
+    workspace.release()
+    _run(batch, fn, torch.arange(10, dtype=torch.float32))
+    assert fn.calls == 7
+
+
+def test_disabled_and_keys_per_batch():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    with call_cache.disabled():
+        assert call_cache.call_key("sample", torch.zeros(1, 8), batch, None, None, None, None,
+                                   torch.zeros(1, dtype=torch.int64), "token", None) is None
+    for i in range(call_cache.MAX_KEYS + 3):  # (the oldest keys are dropped, not kept)
+        _run(batch, fn, torch.arange(10, dtype=torch.float32), key=(i,))
+    assert len(call_cache._entries(batch)) == call_cache.MAX_KEYS
+
+
+def test_no_key_on_cpu_or_for_host_lists():
+    batch = _batch()
+    logits = torch.zeros(1, 8)
+    assert call_cache.call_key("sample", logits, batch, None, None, None, None,
+                               torch.zeros(1, dtype=torch.int64), "token", None) is None
+    if torch.cuda.is_available():
+        gpu = _batch("cuda")
+        assert call_cache.call_key("sample", logits.cuda(), gpu, None, None, None, None, [0],
+                                   "token", None) is None
+        assert call_cache.call_key("verify", logits.cuda(), gpu, [1], [0], None, None, None,
+                                   "token", None) is None
+        keyed = call_cache.call_key("sample", logits.cuda(), gpu, None, None, None, None, None,
+                                    "token", None)
+        assert keyed is not None and len(keyed[1]) == 1  # (positions=None: logits alone)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real calls, replayed against the same calls with the cache off
+
+V, K = 4096, 3
+
+
+def _verify_calls(device, kind: str, **params):
+    g = torch.Generator(device=device).manual_seed(1)
+    n = 6
+    batch = _batch(device, n=n, vocab=V, **params)
+    nd = [K, 0, 2, K, 1, K]
+    rows = n + sum(nd)
+    s = sum(nd)
+
+    def inputs(step):
+        logits = torch.randn(rows, V, device=device, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, V, (s,), device=device, generator=g)
+        ids[0] = logits[0].float().argmax()  # (some accepted drafts)
+        pos = torch.arange(n, device=device) * 7 + step * 5
+        kw = {}
+        if kind == "device_counts":
+            kw = {"num_draft_tokens": torch.tensor(nd, device=device), "max_num_draft_tokens": K}
+        if kind.startswith("block"):
+            kw["method"] = "block"
+        if kind in ("draft_logits", "block_draft_logits"):
+            kw["draft_logits"] = torch.randn(s, V, device=device, generator=g)
+        elif kind == "draft_probs":
+            kw["draft_probs"] = torch.softmax(torch.randn(s, V, device=device, generator=g), -1)
+        return logits, ids, pos, kw
+
+    def call(step, inp):
+        logits, ids, pos, kw = inp
+        kw = {"num_draft_tokens": nd, **kw}
+        return specsample.verify(logits, ids, batch=batch, positions=pos, strict=False, **kw)
+
+    return batch, inputs, call
+
+
+def _same(a, b):
+    for f in ("token_ids", "num_accepted", "invalid", "logprob_token_ids"):
+        x, y = getattr(a, f, None), getattr(b, f, None)
+        assert (x is None) == (y is None), f
+        if x is not None:
+            assert torch.equal(x, y), f
+    if getattr(a, "logprobs", None) is not None:
+        assert torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,params,replays", [
+    ("onehot", {"temperature": 1.0}, True),
+    ("onehot", {"temperature": 0.0}, True),
+    ("onehot", {"temperature": 0.7, "top_k": 20, "top_p": 0.8}, True),
+    ("onehot", {"temperature": 1.0, "min_p": 0.05, "logprobs": 5}, True),
+    ("onehot", {"temperature": 1.0, "logprobs": 0}, True),
+    ("draft_logits", {"temperature": 0.8}, True),
+    ("block_draft_logits", {"temperature": 1.0}, True),
+    ("device_counts", {"temperature": 1.0}, True),
+    ("draft_probs", {"temperature": 1.0, "top_p": 0.9}, True),
+    ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2}, False),
+])
+def test_gpu_verify_replays_token_for_token(kind, params, replays):
+    dev = torch.device("cuda")
+    batch, inputs, call = _verify_calls(dev, kind, **params)
+    paths.reset()
+    for step in range(6):
+        inp = inputs(step)
+        got = call(step, inp)
+        with call_cache.disabled():
+            want = call(step, inp)
+        _same(got, want)
+    counts = paths.counts()
+    if replays:
+        assert counts["host.replay"]["calls"] == 3, counts
+        assert not any(k.startswith("host.replay_refused") for k in counts), counts
+    else:
+        assert "host.replay" not in counts
+        assert any(k.startswith("host.replay_refused.op.") for k in counts), counts
+
+
+@pytest.mark.gpu
+def test_gpu_sample_replays_and_forbid_still_raises():
+    dev = torch.device("cuda")
+    batch = _batch(dev, n=5, vocab=V, temperature=0.9, top_k=50)
+    g = torch.Generator(device=dev).manual_seed(3)
+    paths.reset()
+    for step in range(5):
+        logits = torch.randn(5, V, device=dev, generator=g).to(torch.float16)
+        pos = torch.full((5,), step, device=dev, dtype=torch.int64)
+        got = specsample.sample(logits, batch, positions=pos, strict=False)
+        with call_cache.disabled():
+            want = specsample.sample(logits, batch, positions=pos, strict=False)
+        _same(got, want)
+    assert paths.counts()["host.replay"]["calls"] == 2
+    with paths.forbid("triton.sample.filtered"), pytest.raises(paths.ForbiddenPathError):
+        specsample.sample(logits, batch, positions=pos, strict=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_fresh_positions_replay_and_advance_the_counter(temperature):
+    dev = torch.device("cuda")
+    batches = []
+    for _ in range(2):  # twins: the same drawn seeds and counter start
+        torch.manual_seed(11)
+        batches.append(SamplingBatch.from_params(
+            [SamplingParams(temperature=temperature)] * 3, vocab_size=V, device=dev))
+    batch, twin = batches
+    g = torch.Generator(device=dev).manual_seed(7)
+    paths.reset()
+    for _ in range(6):
+        logits = torch.zeros(3, V, device=dev) + torch.rand(3, V, device=dev, generator=g) * 1e-3
+        got = specsample.sample(logits, batch, strict=False)
+        with call_cache.disabled():
+            want = specsample.sample(logits, twin, strict=False)
+        _same(got, want)
+        assert torch.equal(batch.fresh_counter, twin.fresh_counter)
+    assert paths.counts()["host.replay"]["calls"] == 3
+
+
+@pytest.mark.gpu
+def test_gpu_replay_then_graph_capture_and_a_misaligned_view():
+    dev = torch.device("cuda")
+    batch = _batch(dev, n=4, vocab=V, temperature=1.0)
+    g = torch.Generator(device=dev).manual_seed(5)
+    buf = torch.randn(4 * V + 8, device=dev, generator=g).to(torch.bfloat16)
+    pos = torch.arange(4, device=dev)
+    for _ in range(4):
+        specsample.sample(buf[:4 * V].view(4, V), batch, positions=pos, strict=False)
+    # A view that starts 2 bytes in: another alignment, another key, the same tokens.
+    odd = buf[1:4 * V + 1].view(4, V)
+    for _ in range(4):
+        got = specsample.sample(odd, batch, positions=pos, strict=False)
+        with call_cache.disabled():
+            want = specsample.sample(odd, batch, positions=pos, strict=False)
+        _same(got, want)
+    # Capture after replays: the capture runs the usual path, and the replayed graph agrees.
+    static = buf[:4 * V].view(4, V).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        specsample.sample(static, batch, positions=pos, strict=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = specsample.sample(static, batch, positions=pos, strict=False)
+    graph.replay()
+    with call_cache.disabled():
+        want = specsample.sample(static, batch, positions=pos, strict=False)
+    _same(out, want)
