@@ -40,6 +40,19 @@ def _freeze_counter(monkeypatch):
         return pos
 
     monkeypatch.setattr(plan, "fresh_positions", frozen)
+    # (the Triton backend makes them in one launch: triton_backend.layout.fresh_positions)
+    try:
+        from specsample.triton_backend import layout
+    except ImportError:  # (no triton: the torch backend only)
+        return
+    kernel_made = layout.fresh_positions
+
+    def frozen_kernel(batch):
+        pos = kernel_made(batch)
+        batch.fresh_counter.sub_(1)
+        return pos
+
+    monkeypatch.setattr(layout, "fresh_positions", frozen_kernel)
 
 
 def _ones_pvalue(op: str) -> float:

@@ -512,7 +512,8 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
 
 def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):
     # A device num_draft_tokens call always launches layout_kernel and mark_kernel, with
-    # HAS_LP as the batch asks: warmup once compiled only the variant without logprobs.
+    # HAS_LP as the batch asks: warmup once compiled only the variant without logprobs. A call
+    # with positions=None launches fresh_positions_kernel.
     from triton.runtime import interpreter
 
     seen = set()
@@ -524,4 +525,5 @@ def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
     triton_backend.layout.warm(torch.device("cpu"))
-    assert seen == {("layout_kernel", None), ("mark_kernel", False), ("mark_kernel", True)}
+    assert seen == {("layout_kernel", None), ("mark_kernel", False), ("mark_kernel", True),
+                    ("fresh_positions_kernel", None)}

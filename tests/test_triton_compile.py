@@ -193,6 +193,8 @@ def _calls():
         yield lambda a=(7 + i, vocab, dtype, kind, method, processors, lps): _verify(*a)
     layout = importlib.import_module("specsample.triton_backend.layout")
     yield lambda: layout.device_layout(torch.tensor([1, 0, 2]), 2, 6, 3)
+    yield lambda: layout.fresh_positions(SamplingBatch.from_params(
+        [SamplingParams()] * 2, vocab_size=8, device="cpu"))  # (positions=None)
     for n_lp in (None, 2):
         yield lambda n_lp=n_lp: layout.mark_layout_errors(_fake_output(3, 3, n_lp),
                                                           torch.zeros(3, dtype=torch.int64),

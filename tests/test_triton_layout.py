@@ -137,3 +137,38 @@ def test_mark_kernel_matches_the_torch_marking(n_lp):
 @pytest.mark.parametrize("n_lp", [None, 3])
 def test_mark_kernel_matches_the_torch_marking_on_gpu(n_lp):
     _mark_compare(n_lp, "cuda")
+
+
+def _fresh_cases(device):
+    for n, start in ((1, 0), (3, 5), (300, 2**31 - 1), (257, 2**31 + 7), (2, 2**40 + 3)):
+        batch = SamplingBatch.from_params([SamplingParams() for _ in range(n)], vocab_size=4,
+                                          device=device)
+        batch.fresh_counter.fill_(start)
+        yield batch
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fresh_positions_kernel_matches_plan_fresh_positions(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for batch in _fresh_cases(device):
+        twin = SamplingBatch.from_params(list(batch.params), vocab_size=4, device=device)
+        twin.fresh_counter.copy_(batch.fresh_counter)
+        for _ in range(2):  # (and the counter advances the same way)
+            got = layout.fresh_positions(batch)
+            want = plan_mod.fresh_positions(twin)
+            assert got.dtype == torch.int64 and torch.equal(got, want)
+            assert torch.equal(batch.fresh_counter, twin.fresh_counter)
+    seeded = SamplingBatch.from_params([SamplingParams(seed=1)], vocab_size=4, device=device)
+    with pytest.raises(ValueError, match="positions is required"):
+        layout.fresh_positions(seeded)
+
+
+def test_triton_backend_makes_fresh_positions_with_the_kernel(monkeypatch):
+    calls = []
+    real = layout.fresh_positions
+    monkeypatch.setattr(layout, "fresh_positions", lambda b: calls.append(1) or real(b))
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 2, vocab_size=64)
+    out = specsample.sample(torch.randn(2, 64), batch, strict=False)
+    assert calls == [1] and out.token_ids.shape == (2,)

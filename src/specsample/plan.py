@@ -260,8 +260,11 @@ def fresh_positions(batch: SamplingBatch, device: torch.device | None = None) ->
     return pos if device is None else pos.to(device)
 
 
-def _positions(positions, batch: SamplingBatch, n: int, device: torch.device) -> torch.Tensor:
+def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
+               fresh: Callable | None = None) -> torch.Tensor:
     if positions is None:
+        if fresh is not None and batch.fresh_counter.device == device:
+            return fresh(batch)
         return fresh_positions(batch, device)
     if not isinstance(positions, torch.Tensor):
         positions = torch.as_tensor(positions)  # no dtype: floats must not be truncated
@@ -289,6 +292,7 @@ def build_plan(
     logits_name: str = "target_logits",
     max_num_draft_tokens: int | None = None,
     device_layout: Callable | None = None,
+    fresh: Callable | None = None,
 ) -> Plan:
     """Validate one call's inputs and derive its row layout.
 
@@ -300,6 +304,9 @@ def build_plan(
     without ``max_num_draft_tokens`` it is read on the host (one synchronisation).
     ``device_layout``: a function with :func:`_device_layout`'s arguments and results that
     builds that layout instead (the Triton backend's one launch); None: ``_device_layout``.
+    ``fresh``: a function with :func:`fresh_positions`'s results (``fresh(batch)``) that makes
+    the positions of ``positions=None`` when the batch's counter is on the logits' device (the
+    Triton backend's one launch); None: :func:`fresh_positions`.
 
     Raises:
         ValueError: naming the argument, for a wrong type, dtype, shape, device, a negative
@@ -373,7 +380,7 @@ def build_plan(
                              f"1..{logits.shape[1]} (the target's)")
         if d.device != device:
             raise ValueError(f"{name} is on {d.device} but target_logits on {device}")
-    pos = _positions(positions, batch, n, device)
+    pos = _positions(positions, batch, n, device, fresh)
     layout_err = None
     if on_device:
         k = num_draft_tokens.to(device=device, dtype=torch.int64).contiguous()

@@ -6,6 +6,10 @@ step paid 50-60 us of launches for them on an H200. ``layout_kernel`` writes the
 tensors, bit for bit, from one program: two loops over the requests (validity, then the
 prefix sums and each request's rows and drafts), then the rows and drafts no request owns.
 No host read, so a CUDA graph with changing draft counts replays it.
+
+``fresh_positions`` is ``plan.fresh_positions`` (the positions of a call with
+``positions=None``) in one launch instead of four tensor operations, so that such an eager call
+is only launches and ``specsample.call_cache`` can replay it.
 """
 
 from __future__ import annotations
@@ -14,12 +18,42 @@ import torch
 import triton
 import triton.language as tl
 
+from ..params import FRESH_PERIOD, FRESH_STRIDE
 from ..plan import ERR_NUM_DRAFT_TOKENS
 from .launch import launch
 
 BLOCK_N = 256  # requests per step of the loops
 BLOCK_J = 8  # rows per request per step of the scatter
 _ERR = tl.constexpr(ERR_NUM_DRAFT_TOKENS)
+_PERIOD = tl.constexpr(FRESH_PERIOD)
+_STRIDE = tl.constexpr(FRESH_STRIDE)
+
+
+@triton.jit(do_not_specialize=["N"])
+def fresh_positions_kernel(counter_ptr, pos_ptr, N, BLOCK: tl.constexpr):
+    """Grid (1,). counter [1] int64 (the batch's ``fresh_counter``, c); writes pos [N] int64
+    = (c mod FRESH_PERIOD) * FRESH_STRIDE, then sets the counter to c + 1 (one program: it
+    reads the counter before it writes it)."""
+    c = tl.load(counter_ptr)
+    p = (c % _PERIOD) * _STRIDE
+    offs = tl.arange(0, BLOCK)
+    for b in range(0, N, BLOCK):
+        i = b + offs
+        tl.store(pos_ptr + i, tl.zeros((BLOCK,), tl.int64) + p, mask=i < N)
+    tl.store(counter_ptr, c + 1)
+
+
+def fresh_positions(batch) -> torch.Tensor:
+    """``plan.fresh_positions(batch)`` on the batch's device in one launch: [N] int64
+    positions from ``batch.fresh_counter``, which it advances by 1 (same values, same
+    errors)."""
+    if batch.user_seeded:
+        raise ValueError("positions is required when a request has a user-given seed")
+    counter = batch.fresh_counter
+    n = batch.num_requests
+    pos = torch.empty(n, dtype=torch.int64, device=counter.device)
+    launch(fresh_positions_kernel)[(1,)](counter, pos, n, BLOCK=BLOCK_N)
+    return pos
 
 
 @triton.jit(do_not_specialize=["N", "S", "T", "max_k"])
@@ -155,12 +189,15 @@ def mark_layout_errors(out, err: torch.Tensor, layout_err: torch.Tensor):
 
 
 def warm(device: torch.device) -> None:
-    """Launch ``layout_kernel`` and both variants of ``mark_kernel`` (with and without
-    logprobs) once on small valid inputs on ``device`` (``warmup()``: every call with a device
-    ``num_draft_tokens`` launches both kernels, whatever the rest of the call)."""
+    """Launch ``layout_kernel``, both variants of ``mark_kernel`` (with and without
+    logprobs) and ``fresh_positions_kernel`` once on small valid inputs on ``device``
+    (``warmup()``: every call with a device ``num_draft_tokens`` launches the first two, whatever
+    the rest of the call, and every call with ``positions=None`` the last)."""
     from ..outputs import VerifyOutput
+    from ..params import SamplingBatch, SamplingParams
 
     device_layout(torch.tensor([2, 1], device=device), 2, 5, 3)
+    fresh_positions(SamplingBatch.from_params([SamplingParams()], vocab_size=1, device=device))
     for n_lp in (None, 2):
         lp = None if n_lp is None else torch.zeros(2, 3, n_lp, device=device)
         out = VerifyOutput(
