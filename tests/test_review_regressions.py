@@ -191,3 +191,21 @@ def test_top_n_ranked_by_logits_not_by_rounded_logprobs(backend, mode):
     batch = _batch([SamplingParams(seed=1, logprobs=3, logprobs_mode=mode)])
     out = sample(x, batch, positions=torch.tensor([0]))
     assert out.logprob_token_ids[0, 1:].tolist() == [5, 0, 1]
+
+
+def test_non_contiguous_draft_token_ids_read_as_given(monkeypatch):
+    # The Triton kernels index draft_token_ids without a stride; a strided view was read as if
+    # it were contiguous (the wrong drafts), unlike the torch backend.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, V, generator=g)
+    drafts = x.argmax(-1)  # every draft the row's argmax: greedy requests accept them all
+    buf = torch.full((6,), 7, dtype=torch.int64)
+    buf[::2] = drafts[torch.tensor([0, 1, 3])]
+    batch = _batch([SamplingParams(temperature=0.0)] * 2)
+    outs = {}
+    for name in BACKENDS:
+        monkeypatch.setenv("SPECSAMPLE_BACKEND", name)
+        outs[name] = verify(x, buf[::2], [2, 1], batch, positions=torch.tensor([0, 5]),
+                            strict=False)
+    assert outs["torch"].num_accepted.tolist() == [2, 1]
+    assert torch.equal(outs["triton"].token_ids, outs["torch"].token_ids)

@@ -366,7 +366,8 @@ def build_plan(
         if draft_token_ids.shape[0] != s:
             raise ValueError(f"draft_token_ids has {draft_token_ids.shape[0]} entries; "
                              f"sum(num_draft_tokens) = {s}")
-    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    # (contiguous: the Triton kernels index the drafts without a stride)
+    draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64).contiguous()
     if draft_logits is not None and draft_probs is not None:
         raise ValueError("give draft_logits or draft_probs, not both")
     for name, d in (("draft_logits", draft_logits), ("draft_probs", draft_probs)):
