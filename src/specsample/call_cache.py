@@ -24,13 +24,16 @@ the device, stream, thread and the settings that change launches). Per key:
    output addresses. Path ``host.replay`` counts them.
 
 A key whose recording fails is refused for good and runs as usual; the refusal is counted
-once as ``host.replay_refused.<reason>`` (for example ``op.aten.where.self``: the general
-path's PyTorch processing). Never replayed: CPU tensors (the torch backend and Triton's
-interpreter), calls under CUDA-graph capture (a graph replays without host work anyway),
-host lists for tensors other than ``num_draft_tokens``, and while Triton launch hooks (a profiler)
-are installed. :func:`disabled` turns replay off in a block; ``SPECSAMPLE_CALL_CACHE=0``
-turns it off for the process. Changing any attribute of the batch, or
-:func:`specsample.workspace.release`, drops its entries.
+once as ``host.replay_refused.<reason>`` (for example ``op.aten._to_copy.default``: an input
+converted inside the call). Never recorded (:func:`call_key` returns None): CPU tensors (the
+torch backend and Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the
+general path (PyTorch processing), calls under CUDA-graph capture (a graph replays without
+host work anyway), host lists for tensors other than ``num_draft_tokens``, and calls while
+Triton launch hooks (a profiler) are installed or a ``paths.forbid`` block is active.
+:func:`disabled` turns replay off in a block; ``SPECSAMPLE_CALL_CACHE=0`` turns it off for
+the process. Changing any attribute of the batch, or :func:`specsample.workspace.release`,
+drops its entries; a batch tensor given new memory in place is found by the replay's check
+of their addresses, and the key records again.
 """
 
 from __future__ import annotations
@@ -130,6 +133,8 @@ class _Ops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         make = _ALLOC_OPS.get(func)
+        if self.rec.failure is not None:
+            return out  # (refused already: hold nothing)
         if make is not None:
             if any(k not in _ALLOC_KWARGS or (_ALLOC_KWARGS[k] is not None
                                               and v not in (None, _ALLOC_KWARGS[k]))
@@ -151,13 +156,27 @@ def _sig(t: torch.Tensor) -> tuple:
 
 
 # os.environ's own mapping on POSIX (bytes keys): a look-up without os.environ's encoding
-_ENVIRON = getattr(os.environ, "_data", None)
+_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
 def _backend_env():
     if type(_ENVIRON) is dict:
-        return _ENVIRON.get(b"SPECSAMPLE_BACKEND")
+        value = _ENVIRON.get(b"SPECSAMPLE_BACKEND")
+        return None if value is None else value.decode(errors="replace")
     return os.environ.get("SPECSAMPLE_BACKEND")
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _current_stream(logits: torch.Tensor) -> int | None:
+    """The current CUDA stream's handle when the current device is the logits' and the stream
+    is not capturing a graph, else None."""
+    index = logits.device.index
+    if torch._C._cuda_getDevice() != index or torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_logits,
@@ -169,22 +188,28 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     thread, the workspace's generation, ``$SPECSAMPLE_BACKEND`` and the Triton backend's
     launch settings. ``num_draft_tokens`` None: sample()'s all-zero counts."""
     if not (_ENV_ENABLED and _ENABLED.get()) or type(logits) is not torch.Tensor or (
-            not logits.is_cuda):
+            not _on_cuda(logits)) or batch.needs_general_path or paths.forbidding():
+        return None  # (the general path is refused anyway: not worth two recordings)
+    if type(method) is not str or type(max_num_draft_tokens) not in (int, type(None)):
+        return None  # (validated, and refused if wrong, by the usual path)
+    backend = _backend_env()
+    if backend and backend.strip().lower() != "triton":
         return None
-    index = logits.device.index
-    if torch._C._cuda_getDevice() != index or torch._C._cuda_isCurrentStreamCapturing():
+    stream = _current_stream(logits)
+    if stream is None:
         return None
     global _launch_settings
     if _launch_settings is None:
-        from .triton_backend import launch_settings as _launch_settings  # (logits on CUDA)
+        try:
+            from .triton_backend import launch_settings as _launch_settings  # (on CUDA)
+        except ImportError:  # (no triton: the torch backend, never replayed)
+            return None
     settings = _launch_settings()
     if settings is None:
         return None
     inputs: list = [logits]
-    key: list = [op, _sig(logits), method, type(method),
-                 max_num_draft_tokens, type(max_num_draft_tokens),
-                 torch._C._cuda_getCurrentRawStream(index), threading.get_ident(),
-                 workspace.generation(), _backend_env(), settings]
+    key: list = [op, _sig(logits), method, max_num_draft_tokens, stream,
+                 threading.get_ident(), workspace.generation(), backend, settings]
     if positions is None:
         key.append(None)  # (fresh positions: a launch that reads and advances the batch's)
     elif type(positions) is torch.Tensor:
@@ -203,7 +228,8 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
             if set(map(type, num_draft_tokens)) - {int}:
                 return None
             key.append(tuple(num_draft_tokens))
-        elif t is torch.Tensor and num_draft_tokens.is_cuda and max_num_draft_tokens is not None:
+        elif t is torch.Tensor and _on_cuda(num_draft_tokens) and (
+                max_num_draft_tokens is not None):
             inputs.append(num_draft_tokens)
             key.append(_sig(num_draft_tokens))
         else:
@@ -222,11 +248,15 @@ class _Entry:
     address arguments, the path counts, how the results map to the outputs, and the tensors
     the launches read that outlive the call (kept alive here)."""
 
-    __slots__ = ("allocs", "launches", "paths", "results", "keep", "rows")
+    __slots__ = ("allocs", "launches", "paths", "results", "keep", "rows", "checks")
 
-    def __init__(self, allocs, launches, paths_, results, keep, rows) -> None:
+    def __init__(self, allocs, launches, paths_, results, keep, rows, checks) -> None:
         self.allocs, self.launches, self.paths = allocs, launches, paths_
-        self.results, self.keep, self.rows = results, keep, rows
+        self.results, self.keep, self.rows, self.checks = results, keep, rows, checks
+
+    def still_valid(self) -> bool:
+        """Whether the batch's tensors that the launches read still have their addresses."""
+        return all(t.data_ptr() == p for t, p in self.checks)
 
     def same_as(self, other: _Entry) -> bool:
         """Whether two recordings of one key describe the same replay."""
@@ -250,7 +280,8 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
     sources = inputs + allocs  # (slot i: inputs first, then the allocations)
     # (storages without memory, address 0, are told apart by nothing and read by no kernel)
     storages = [s for s in map(_storage, sources) if s]
-    owned = {_storage(v) for v in vars(batch).values() if isinstance(v, torch.Tensor)} - {0}
+    fields = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)]
+    owned = {_storage(v) for v in fields} - {0}
     if len(set(storages)) != len(storages) or owned & set(storages):
         return "shared_storage"  # (an address could not be told apart from another's)
     by_storage = {s: i for i, s in enumerate(map(_storage, sources)) if s}
@@ -265,7 +296,9 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
                 continue
             src = by_storage.get(_storage(a))
             if src is None:
-                keep.append(a)  # outlives the call: its address stays valid while kept
+                # Outlives the call: its memory stays valid while its storage is kept (even
+                # if the tensor is given another storage; a batch's tensors are checked).
+                keep.append(a.untyped_storage())
                 continue
             slots.append((len(head) + pos, src, a.data_ptr() - sources[src].data_ptr()))
             full[len(head) + pos] = None
@@ -284,7 +317,11 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
             return "result_not_fresh"
     spec = tuple(ops.specs)
     counted = (*rec.paths, ("host.replay", rows))
-    return _Entry(spec, launches, counted, tuple(results), keep, rows)
+    # The batch's tensors with their addresses: a replay checks them (``t.data = ...`` or
+    # ``t.set_(...)`` gives a tensor new memory without setting the batch's attribute).
+    read = {_storage(a) for lc in rec.launches for a in lc[5] if isinstance(a, torch.Tensor)}
+    checks = tuple((v, v.data_ptr()) for v in fields if _storage(v) in read)
+    return _Entry(spec, launches, counted, tuple(results), keep, rows, checks)
 
 
 def _replay(entry: _Entry, inputs: list) -> list:
@@ -302,6 +339,7 @@ def _replay(entry: _Entry, inputs: list) -> list:
     return [None if j is None else allocs[j] for j in entry.results]
 
 
+_LOCK = threading.Lock()  # (dropping a batch's oldest key)
 # id(batch) -> that batch's {key: state}; a batch's entry is dropped when it is collected
 _CALLS: dict[int, dict] = {}
 _WATCHED: set[int] = set()  # ids of the living batches with a finalizer that drops it
@@ -341,11 +379,14 @@ def run(keyed: tuple | None, batch, call: Callable[[], tuple]) -> tuple:
     calls = _entries(batch)
     state = calls.get(key)
     if type(state) is _Entry:
-        return tuple(_replay(state, inputs))
+        if state.still_valid():
+            return tuple(_replay(state, inputs))
+        state = None  # (recorded again)
     if state is None:  # first call: it may compile and create buffers; recorded from the next
-        if len(calls) >= MAX_KEYS:
-            calls.pop(next(iter(calls)))
-        calls[key] = _SEEN
+        with _LOCK:
+            while len(calls) >= MAX_KEYS:
+                calls.pop(next(iter(calls)), None)
+            calls[key] = _SEEN
         return call()
     if state is _REFUSED:
         return call()

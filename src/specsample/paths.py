@@ -68,6 +68,12 @@ def record_many(entries: tuple[tuple[str, int], ...]) -> None:
         rec.extend(entries)
 
 
+def forbidding() -> bool:
+    """Whether some :func:`forbid` block is active (``call_cache`` then runs calls as usual,
+    so that a forbidden path raises at the same point of the call)."""
+    return bool(_forbidden)
+
+
 def counts() -> dict[str, dict[str, int]]:
     """A copy of the counters: ``{path name: {"calls": int, "rows": int}}``."""
     with _lock:
