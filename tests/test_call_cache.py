@@ -198,18 +198,41 @@ def test_a_batch_tensor_given_new_memory_records_again():
     assert fn.calls == 6  # recorded again (twice), then replayed
 
 
-def test_no_recording_or_replay_while_a_path_is_forbidden():
+def test_replays_under_forbid_raise_for_forbidden_paths_only():
     batch, fn = _batch(), _Call(torch.zeros(4))
-    gpu = torch.cuda.is_available()
-    for step in range(4):
+    paths.reset()
+    with paths.forbid("nothing.matches"):  # (as the bench times its calls)
+        for step in range(5):
+            out, _ = _run(batch, fn, torch.arange(10, dtype=torch.float32) + step)
+            assert torch.equal(out, torch.arange(10, dtype=torch.float32) + step)
+    assert fn.calls == 3 and paths.counts()["host.replay"]["calls"] == 2
+    with paths.forbid("test.call_cache.*"), pytest.raises(paths.ForbiddenPathError):
+        _run(batch, fn, torch.arange(10, dtype=torch.float32))
+    assert fn.calls == 3  # (raised before any work)
+
+
+def test_a_refusal_is_counted_even_when_host_paths_are_forbidden():
+    batch = _batch()
+    fn = _Call(torch.zeros(4), extra=lambda out: out.add_(1))
+    with paths.forbid("host.*"):
+        for step in range(4):  # (the refusal is counted after the call's work: no raise)
+            out, _ = _run(batch, fn, torch.arange(10, dtype=torch.float32) + step)
+            assert torch.equal(out, torch.arange(10, dtype=torch.float32) + step + 1)
+
+
+def test_new_memory_between_the_two_recordings_records_again():
+    batch = _batch()
+    fn = _Call(batch.temperature)
+    paths.reset()
+    for step in range(2):  # (the first call, the first recording)
         _run(batch, fn, torch.arange(10, dtype=torch.float32) + step)
-    with paths.forbid("nothing.matches"):
-        assert paths.forbidding()
-        if gpu:
-            assert call_cache.call_key("sample", torch.zeros(1, 8, device="cuda"),
-                                       _batch("cuda"), None, None, None, None, None, "token",
-                                       None) is None
-    assert not paths.forbidding()
+    batch.temperature.data = torch.full((1,), 0.5)
+    fn.keep = batch.temperature
+    for step in range(5):
+        out, _ = _run(batch, fn, torch.arange(10, dtype=torch.float32) + step)
+        assert torch.equal(out, torch.arange(10, dtype=torch.float32) + step)
+    assert "host.replay_refused.unstable" not in paths.counts()
+    assert paths.counts()["host.replay"]["calls"] == 3
 
 
 def test_disabled_and_keys_per_batch():
@@ -302,8 +325,6 @@ def test_call_key_tells_calls_apart(cuda_like, monkeypatch):
     assert device_counts is not None and len(device_counts[1]) == 4
     general = _batch(n=2, vocab=8, repetition_penalty=1.2)
     assert _verify_key(general, x, ids, [2, 1]) is None
-    with paths.forbid("nothing.matches"):
-        assert _verify_key(batch, x, ids, [2, 1]) is None
     with call_cache.disabled():
         assert _verify_key(batch, x, ids, [2, 1]) is None
 

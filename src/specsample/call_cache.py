@@ -29,7 +29,9 @@ converted inside the call). Never recorded (:func:`call_key` returns None): CPU 
 torch backend and Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the
 general path (PyTorch processing), calls under CUDA-graph capture (a graph replays without
 host work anyway), host lists for tensors other than ``num_draft_tokens``, and calls while
-Triton launch hooks (a profiler) are installed or a ``paths.forbid`` block is active.
+Triton launch hooks (a profiler) are installed. Under :func:`specsample.paths.forbid`, a
+replayed call whose paths are forbidden raises before any work; the usual path raises after
+building its plan, which for ``positions=None`` has already advanced the batch's counter.
 :func:`disabled` turns replay off in a block; ``SPECSAMPLE_CALL_CACHE=0`` turns it off for
 the process. Changing any attribute of the batch, or :func:`specsample.workspace.release`,
 drops its entries; a batch tensor given new memory in place is found by the replay's check
@@ -188,7 +190,7 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     thread, the workspace's generation, ``$SPECSAMPLE_BACKEND`` and the Triton backend's
     launch settings. ``num_draft_tokens`` None: sample()'s all-zero counts."""
     if not (_ENV_ENABLED and _ENABLED.get()) or type(logits) is not torch.Tensor or (
-            not _on_cuda(logits)) or batch.needs_general_path or paths.forbidding():
+            not _on_cuda(logits)) or batch.needs_general_path:
         return None  # (the general path is refused anyway: not worth two recordings)
     if type(method) is not str or type(max_num_draft_tokens) not in (int, type(None)):
         return None  # (validated, and refused if wrong, by the usual path)
@@ -382,6 +384,8 @@ def run(keyed: tuple | None, batch, call: Callable[[], tuple]) -> tuple:
         if state.still_valid():
             return tuple(_replay(state, inputs))
         state = None  # (recorded again)
+    elif type(state) is _Pending and not state.entry.still_valid():
+        state = _SEEN  # (a batch tensor got new memory between the recordings: start over)
     if state is None:  # first call: it may compile and create buffers; recorded from the next
         with _LOCK:
             while len(calls) >= MAX_KEYS:
@@ -403,7 +407,7 @@ def run(keyed: tuple | None, batch, call: Callable[[], tuple]) -> tuple:
     if type(entry) is str or (state is not _SEEN and not entry.same_as(state.entry)):
         calls[key] = _REFUSED
         paths.record(f"host.replay_refused.{entry if type(entry) is str else 'unstable'}",
-                     rows)
+                     rows, check=False)  # (the call's work is done: never raise here)
     else:  # (a first recording waits for a second one that agrees with it)
         calls[key] = _Pending(entry) if state is _SEEN else entry
     return result

@@ -35,10 +35,12 @@ class ForbiddenPathError(RuntimeError):
     """Raised when a call would run a path that :func:`forbid` forbids."""
 
 
-def record(name: str, rows: int) -> None:
-    """Count one call of path ``name`` that handled ``rows`` rows; raise if it is forbidden."""
+def record(name: str, rows: int, *, check: bool = True) -> None:
+    """Count one call of path ``name`` that handled ``rows`` rows; raise if it is forbidden
+    (``check=False``: count it all the same, for bookkeeping after a call's work, such as
+    ``call_cache``'s refusals)."""
     with _lock:
-        for pattern in _forbidden:
+        for pattern in _forbidden if check else ():
             if fnmatch.fnmatchcase(name, pattern):
                 raise ForbiddenPathError(f"path {name!r} is forbidden (pattern {pattern!r})")
         entry = _counts.setdefault(name, {"calls": 0, "rows": 0})
@@ -66,12 +68,6 @@ def record_many(entries: tuple[tuple[str, int], ...]) -> None:
     rec = recording.get()
     if rec is not None:
         rec.extend(entries)
-
-
-def forbidding() -> bool:
-    """Whether some :func:`forbid` block is active (``call_cache`` then runs calls as usual,
-    so that a forbidden path raises at the same point of the call)."""
-    return bool(_forbidden)
 
 
 def counts() -> dict[str, dict[str, int]]:
