@@ -136,14 +136,15 @@ def _run_in_call(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     return out, err
 
 
-def _fresh_positions(logits, positions):
-    """The Triton backend's one-launch ``fresh_positions`` for a call with ``positions=None``
-    on it (so that the call is only launches: ``call_cache``), else None."""
-    if positions is None and isinstance(logits, torch.Tensor) and (
-            select_backend(logits.device) == "triton"):
-        from .triton_backend.layout import fresh_positions
-        return fresh_positions
-    return None
+def _triton_plan_hooks(logits, positions, max_num_draft_tokens) -> dict:
+    """``build_plan``'s ``device_layout`` and ``fresh`` for a call on the Triton backend: its
+    one-launch device layout (with ``max_num_draft_tokens``) and fresh positions (with
+    ``positions=None``), so that such a call is only launches (``call_cache``); {} else."""
+    if not isinstance(logits, torch.Tensor) or select_backend(logits.device) != "triton":
+        return {}
+    from .triton_backend import layout
+    return {"device_layout": layout.device_layout if max_num_draft_tokens is not None else None,
+            "fresh": layout.fresh_positions if positions is None else None}
 
 
 def _flat(out: VerifyOutput, err: torch.Tensor) -> tuple:
@@ -304,7 +305,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
         plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
                           draft_logits=None, draft_probs=None, positions=positions,
                           method="token", logits_name="logits",
-                          fresh=_fresh_positions(logits, positions))
+                          **_triton_plan_hooks(logits, positions, None))
         return _flat(*_run(plan, "sample"))
 
     keyed = call_cache.call_key("sample", logits, batch, None, None, None, None, positions,
@@ -387,16 +388,12 @@ def verify(
     _check_batch(batch)
 
     def call() -> tuple:
-        device_layout = None
-        if max_num_draft_tokens is not None and isinstance(target_logits, torch.Tensor) and (
-                select_backend(target_logits.device) == "triton"):
-            from .triton_backend.layout import device_layout  # (one launch)
         plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
                           num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
                           draft_probs=draft_probs, positions=positions, method=method,
                           max_num_draft_tokens=max_num_draft_tokens,
-                          device_layout=device_layout,
-                          fresh=_fresh_positions(target_logits, positions))
+                          **_triton_plan_hooks(target_logits, positions,
+                                               max_num_draft_tokens))
         return _flat(*_run(plan, "verify"))
 
     keyed = call_cache.call_key("verify", target_logits, batch, draft_token_ids,

@@ -186,9 +186,10 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     """(key, input tensors) of a call that may replay, or None (see the module doc). The key
     holds what decides the launches beyond the batch: every tensor argument's shape, dtype,
     device, strides and 16-byte alignment, the host ``num_draft_tokens`` (ints only), the
-    method and ``max_num_draft_tokens`` (with their types), the current device, stream and
-    thread, the workspace's generation, ``$SPECSAMPLE_BACKEND`` and the Triton backend's
-    launch settings. ``num_draft_tokens`` None: sample()'s all-zero counts."""
+    method and ``max_num_draft_tokens`` (a ``str`` and None or an ``int``, else no key), the
+    current device, stream and thread, ``$SPECSAMPLE_BACKEND`` and the Triton backend's
+    launch settings (:func:`specsample.workspace.release` drops every entry instead).
+    ``num_draft_tokens`` None: sample()'s all-zero counts."""
     if not (_ENV_ENABLED and _ENABLED.get()) or type(logits) is not torch.Tensor or (
             not _on_cuda(logits)) or batch.needs_general_path:
         return None  # (the general path is refused anyway: not worth two recordings)
@@ -211,7 +212,7 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
         return None
     inputs: list = [logits]
     key: list = [op, _sig(logits), method, max_num_draft_tokens, stream,
-                 threading.get_ident(), workspace.generation(), backend, settings]
+                 threading.get_ident(), backend, settings]
     if positions is None:
         key.append(None)  # (fresh positions: a launch that reads and advances the batch's)
     elif type(positions) is torch.Tensor:
@@ -250,11 +251,11 @@ class _Entry:
     address arguments, the path counts, how the results map to the outputs, and the tensors
     the launches read that outlive the call (kept alive here)."""
 
-    __slots__ = ("allocs", "launches", "paths", "results", "keep", "rows", "checks")
+    __slots__ = ("allocs", "launches", "paths", "results", "keep", "checks")
 
-    def __init__(self, allocs, launches, paths_, results, keep, rows, checks) -> None:
+    def __init__(self, allocs, launches, paths_, results, keep, checks) -> None:
         self.allocs, self.launches, self.paths = allocs, launches, paths_
-        self.results, self.keep, self.rows, self.checks = results, keep, rows, checks
+        self.results, self.keep, self.checks = results, keep, checks
 
     def still_valid(self) -> bool:
         """Whether the batch's tensors that the launches read still have their addresses."""
@@ -263,8 +264,7 @@ class _Entry:
     def same_as(self, other: _Entry) -> bool:
         """Whether two recordings of one key describe the same replay."""
         return (self.allocs == other.allocs and self.paths == other.paths
-                and self.results == other.results and self.rows == other.rows
-                and self.launches == other.launches)
+                and self.results == other.results and self.launches == other.launches)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -323,7 +323,7 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
     # ``t.set_(...)`` gives a tensor new memory without setting the batch's attribute).
     read = {_storage(a) for lc in rec.launches for a in lc[5] if isinstance(a, torch.Tensor)}
     checks = tuple((v, v.data_ptr()) for v in fields if _storage(v) in read)
-    return _Entry(spec, launches, counted, tuple(results), keep, rows, checks)
+    return _Entry(spec, launches, counted, tuple(results), keep, checks)
 
 
 def _replay(entry: _Entry, inputs: list) -> list:

@@ -39,23 +39,14 @@ def record(name: str, rows: int, *, check: bool = True) -> None:
     """Count one call of path ``name`` that handled ``rows`` rows; raise if it is forbidden
     (``check=False``: count it all the same, for bookkeeping after a call's work, such as
     ``call_cache``'s refusals)."""
-    with _lock:
-        for pattern in _forbidden if check else ():
-            if fnmatch.fnmatchcase(name, pattern):
-                raise ForbiddenPathError(f"path {name!r} is forbidden (pattern {pattern!r})")
-        entry = _counts.setdefault(name, {"calls": 0, "rows": 0})
-        entry["calls"] += 1
-        entry["rows"] += int(rows)
-    rec = recording.get()
-    if rec is not None:
-        rec.append((name, int(rows)))
+    record_many(((name, int(rows)),), check=check)
 
 
-def record_many(entries: tuple[tuple[str, int], ...]) -> None:
+def record_many(entries: tuple[tuple[str, int], ...], *, check: bool = True) -> None:
     """:func:`record` of every (name, rows) in ``entries``, under one lock; raises before
     counting any of them if one is forbidden (a replayed call's counts: ``call_cache``)."""
     with _lock:
-        for pattern in _forbidden:
+        for pattern in _forbidden if check else ():
             for name, _rows in entries:
                 if fnmatch.fnmatchcase(name, pattern):
                     raise ForbiddenPathError(f"path {name!r} is forbidden (pattern {pattern!r})")

@@ -237,6 +237,13 @@ def _check_float_matrix(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
+def check_fresh_positions(batch: SamplingBatch) -> None:
+    """ValueError when a request of ``batch`` has a user-given seed (positions are required
+    then: fresh positions are only for batches without user seeds)."""
+    if batch.user_seeded:
+        raise ValueError("positions is required when a request has a user-given seed")
+
+
 def fresh_positions(batch: SamplingBatch, device: torch.device | None = None) -> torch.Tensor:
     """[N] int64 positions for a call with ``positions=None``; advances the batch's counter.
 
@@ -252,8 +259,7 @@ def fresh_positions(batch: SamplingBatch, device: torch.device | None = None) ->
     Raises:
         ValueError: a request of ``batch`` has a user-given seed (positions are required).
     """
-    if batch.user_seeded:
-        raise ValueError("positions is required when a request has a user-given seed")
+    check_fresh_positions(batch)
     counter = batch.fresh_counter
     pos = counter.remainder(FRESH_PERIOD).mul_(FRESH_STRIDE).repeat(batch.num_requests)
     counter.add_(1)  # after pos was computed from it (same stream)

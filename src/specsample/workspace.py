@@ -197,14 +197,7 @@ def _kept_zeros(name, shape: tuple[int, ...], dtype: torch.dtype,
     return t
 
 
-_GENERATION = [0]
 _ON_RELEASE: list = []
-
-
-def generation() -> int:
-    """How many times :func:`release` has run, in any thread (what holds buffers across
-    calls keys by it)."""
-    return _GENERATION[0]
 
 
 def on_release(fn) -> None:
@@ -218,6 +211,5 @@ def release() -> None:
     eager calls recorded with them (``specsample.call_cache``)."""
     for name in ("bufs", "streams"):
         _LOCAL.__dict__.pop(name, None)
-    _GENERATION[0] += 1
     for fn in _ON_RELEASE:
         fn()

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..params import FRESH_PERIOD, FRESH_STRIDE
-from ..plan import ERR_NUM_DRAFT_TOKENS
+from ..plan import ERR_NUM_DRAFT_TOKENS, check_fresh_positions
 from .launch import launch
 
 BLOCK_N = 256  # requests per step of the loops
@@ -47,8 +47,7 @@ def fresh_positions(batch) -> torch.Tensor:
     """``plan.fresh_positions(batch)`` on the batch's device in one launch: [N] int64
     positions from ``batch.fresh_counter``, which it advances by 1 (same values, same
     errors)."""
-    if batch.user_seeded:
-        raise ValueError("positions is required when a request has a user-given seed")
+    check_fresh_positions(batch)
     counter = batch.fresh_counter
     n = batch.num_requests
     pos = torch.empty(n, dtype=torch.int64, device=counter.device)
