@@ -4,6 +4,7 @@ The Triton backend's kernels run on CPU tensors through Triton's interpreter, wh
 switched on before triton is first imported; on a CUDA machine the kernels compile for real.
 Two speed-ups of the interpreter for the suite (they change no result; see each function):
 the language is patched once per launch, and the kernels' Philox words come from numpy.
+The torch backend's CPU functions run uncompiled except in tests/test_cpu_compile.py.
 """
 
 import os
@@ -14,6 +15,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The torch backend's compiled CPU functions (specsample.cpu_compile) compile once per shape
+# class, 15-25 s each on a 2-core machine: the suite runs their eager form (the same Python
+# functions), and tests/test_cpu_compile.py switches compilation on and checks the compiled
+# results against it (this process, and the CLI's subprocesses, read the variable).
+os.environ.setdefault("SPECSAMPLE_CPU_COMPILE", "0")
 
 
 def _patch_the_language_once_per_launch() -> None:

@@ -225,30 +225,35 @@ def _philox_numpy(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray
 
 
 def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
-            counter: torch.Tensor, stream: int) -> torch.Tensor:
+            counter: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """Float64 53-bit uniforms in (0, 1) for broadcastable keys (all int64 tensors).
 
     ``seed_lo`` / ``seed_hi``: the key words; ``position``: absolute positions (int64 >= 0);
-    ``counter``: token ids or scalar indices (int64 >= 0); ``stream``: a ``STREAM_*`` constant.
-    CPU tensors are evaluated with numpy (:func:`_philox_numpy`), others with tensor ops
-    (:func:`philox`); both are this module's function bit for bit.
+    ``counter``: token ids or scalar indices (int64 >= 0); ``stream``: a ``STREAM_*`` constant
+    (or a 0-d int64 tensor holding one, on the keys' device). CPU tensors are evaluated with
+    numpy (:func:`_philox_numpy`), others, and every call inside ``torch.compile``
+    (``specsample.cpu_compile``), with tensor ops (:func:`philox`); both are this module's
+    function bit for bit.
     """
-    if position.device.type == "cpu" and counter.device.type == "cpu":
+    if (position.device.type == "cpu" and counter.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
         u64, mask = np.uint64, np.uint64(MASK32)
         # (int64 -> uint64 keeps the bits; the words are masked on the numpy side)
         cnt, pos, lo, hi = (t.numpy().astype(u64) for t in (counter, position, seed_lo, seed_hi))
-        w0, w1 = _philox_numpy(cnt & mask, pos & mask, pos >> u64(32), u64(stream), lo, hi)
+        w0, w1 = _philox_numpy(cnt & mask, pos & mask, pos >> u64(32), u64(int(stream)), lo,
+                               hi)
         u = np.asarray((((w0 >> u64(6)) << u64(26)) + (w1 >> u64(6))), dtype=np.float64)
         u += 0.5  # (in place: 0-d keys keep a 0-d array, which torch.from_numpy takes)
         u *= UNIFORM_SCALE
         return torch.from_numpy(u)
-    c3 = torch.full((), stream, dtype=torch.int64, device=position.device)
+    c3 = stream if isinstance(stream, torch.Tensor) else torch.full(
+        (), stream, dtype=torch.int64, device=position.device)
     w0, w1 = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
                     seed_lo, seed_hi)
     return (((w0 >> 6) << 26) + (w1 >> 6)).to(torch.float64).add_(0.5).mul_(UNIFORM_SCALE)
 
 
 def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,
-           counter: torch.Tensor, stream: int) -> torch.Tensor:
+           counter: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """Float64 Gumbel(0, 1) noise ``-log(-log(u))`` for broadcastable keys (see ``uniform``)."""
     return -torch.log(-torch.log(uniform(seed_lo, seed_hi, position, counter, stream)))

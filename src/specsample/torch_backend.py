@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import rng, workspace
+from . import cpu_compile, rng, workspace
 from .outputs import VerifyOutput
 from .plan import Plan
 from .processing import block_total, process_rows, rows_emptied_by_bans
@@ -157,29 +157,90 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
     sub-tile with keys ``z[x] + G(seed, pos, x, token_stream)``; ties go to the lowest index
     at every level. ``z``: [R, V] float32 (-inf allowed); ``tile_lse``: [R, NT] or None
     (computed); keys [R] int64. Returns [R] int64; a row of all -inf returns an id of tile 0.
+    On the CPU the draw runs compiled (``specsample.cpu_compile``, path
+    ``cpu.compiled.draw``): the same integer noise and float64 keys as the eager run.
     """
-    r, v = z.shape
     if tile_lse is None:
         tile_lse = tile_logsumexp(z)
-    nt = tile_lse.shape[1]
-    dev = z.device
+    return _call_rows("draw", _draw, z, (tile_lse, seed_lo, seed_hi, pos), token_stream,
+                      tile_stream)
+
+
+def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int,
+               tile_stream: int) -> torch.Tensor:
+    """``fn(x, *per_row, streams)`` through ``cpu_compile.call`` for the R rows of ``x``
+    [R, V] (``per_row``: tensors whose first dimension is R; ``streams``: the token, tile and
+    sub-tile streams). On the CPU the streams go as a tensor (torch.compile would specialise
+    their values), and one row goes twice: compiled shapes are dynamic except for sizes of 1.
+    Returns ``fn``'s [R] result."""
+    r = x.shape[0]
+    streams = (token_stream, tile_stream, rng.sub_stream(tile_stream))
+    if x.device.type == "cpu":
+        streams = torch.tensor(streams, dtype=torch.int64)
+        if r == 1:
+            x, *per_row = (t.repeat(2, *[1] * (t.dim() - 1)) for t in (x, *per_row))
+        # (contiguous, and without a _base: torch.compile would guard on the base's shape)
+        x, *per_row = (t.contiguous().detach() for t in (x, *per_row))
+    return cpu_compile.call(name, fn, x, *per_row, streams, rows=r)[:r]
+
+
+def _draw(z: torch.Tensor, tile_lse: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+          pos: torch.Tensor, streams) -> torch.Tensor:
+    """:func:`tiled_gumbel_argmax` with ``streams`` = (token, tile, sub-tile stream): ints, or
+    a [3] int64 tensor (one function for the compiled and the eager run)."""
+    r, v = z.shape
+    flat, base = z.reshape(-1), torch.arange(r, device=z.device)[:, None] * v
+
+    def values(tok: torch.Tensor) -> torch.Tensor:
+        return torch.where(tok < v, flat.take(base + tok.clamp_max(v - 1)), -math.inf)
+
+    return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
+
+
+def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                   pos: torch.Tensor, streams) -> torch.Tensor:
+    """The three Gumbel-max levels of :func:`tiled_gumbel_argmax`: ``tile_lse`` [R, NT]
+    float32, ``values(tok)`` the rows' float32 values at ids ``tok`` [R, TILE] (-inf past V)."""
+    dev = tile_lse.device
     seed_lo, seed_hi, pos = seed_lo[:, None], seed_hi[:, None], pos[:, None]
-    t = torch.arange(nt, device=dev)
-    tile_keys = tile_lse.double() + rng.gumbel(seed_lo, seed_hi, pos, t[None, :], tile_stream)
+    t = torch.arange(tile_lse.shape[1], device=dev)
+    tile_keys = tile_lse.double() + rng.gumbel(seed_lo, seed_hi, pos, t[None, :], streams[1])
     best_tile = tile_keys.argmax(dim=-1)
     # The chosen tile's values, -inf past V (padding draws no noise that matters).
     tok = best_tile[:, None] * rng.TILE + torch.arange(rng.TILE, device=dev)[None, :]
-    vals = torch.where(tok < v, z.gather(1, tok.clamp_max(v - 1)), -math.inf)
+    vals = values(tok)
     nsub = rng.TILE // rng.SUBTILE
     sub = best_tile[:, None] * nsub + torch.arange(nsub, device=dev)[None, :]
-    sub_keys = torch.logsumexp(vals.view(r, nsub, rng.SUBTILE), dim=-1).double() + rng.gumbel(
-        seed_lo, seed_hi, pos, sub, rng.sub_stream(tile_stream))
+    sub_keys = torch.logsumexp(vals.view(-1, nsub, rng.SUBTILE), dim=-1).double() + rng.gumbel(
+        seed_lo, seed_hi, pos, sub, streams[2])
     best_sub = sub.gather(1, sub_keys.argmax(dim=-1, keepdim=True))
     tok = best_sub * rng.SUBTILE + torch.arange(rng.SUBTILE, device=dev)[None, :]
+    # (ids past V have value -inf, so key -inf: the noise is finite)
     keys = vals.gather(1, tok - best_tile[:, None] * rng.TILE).double() + rng.gumbel(
-        seed_lo, seed_hi, pos, tok, token_stream)
-    keys = torch.where(tok < v, keys, -math.inf)
+        seed_lo, seed_hi, pos, tok, streams[0])
     return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _temperature_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
+                      seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor,
+                      streams) -> torch.Tensor:
+    """[R] int64: the draw of :func:`tiled_gumbel_argmax` from each row of ``x`` (cleaned
+    logits [R, V], their max ``row_max`` [R]) for a batch whose only processor is
+    temperature: ``z = (x - row_max) / T`` as ``processing.process_rows`` computes it (T = 1
+    where ``temperature`` is 0; the caller takes those rows' argmax), the tiles' log-sum-exp
+    from it, then the draw. Compiled (``cpu_compile``), the rows are read once and z' is never
+    stored."""
+    r, v = x.shape
+    m = torch.where(torch.isfinite(row_max), row_max, 0.0).float()[:, None]
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    tile_lse = tile_logsumexp((x.float() - m) / t)
+    flat, base = x.reshape(-1), torch.arange(r, device=x.device)[:, None] * v
+
+    def values(tok: torch.Tensor) -> torch.Tensor:  # (z at the draw's ids, computed alike)
+        xv = flat.take(base + tok.clamp_max(v - 1)).float()
+        return torch.where(tok < v, (xv - m) / t, -math.inf)
+
+    return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
 
 
 def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
@@ -395,6 +456,27 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
     """
     batch = plan.batch
     n = plan.num_requests
+    plan, row_max, err = clean_rows(plan)
+    invalid = err != 0
+    if argmax_only and not (batch.needs_bans or batch.needs_bias or batch.needs_penalties):
+        return plan, plan.logits, err
+    z = process_rows(plan, row_max=row_max)
+    if batch.needs_bias or batch.needs_penalties:
+        # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
+        # processed logits hold NaN / +inf or nothing finite, as the Triton general path does.
+        zmax = z.amax(dim=-1)
+        live = plan.row_live & ~invalid[plan.row_req]
+        err |= _or_per_request(~torch.isfinite(zmax) & live, plan.row_req, n,
+                               ERR_PROCESSED_OVERFLOW)
+    return plan, z, err
+
+
+def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+    """Validate ``plan``'s rows: (the plan with the rows of invalid requests and dead rows
+    zeroed, [T] float max of each cleaned row, [N] int64 ERR_* bitmask, with ERR_BANS: see
+    :func:`processed_logits`)."""
+    batch = plan.batch
+    n = plan.num_requests
     row_max = plan.logits.amax(dim=-1)
     err = request_errors(plan, row_max)
     invalid = err != 0
@@ -408,18 +490,7 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
     if batch.needs_bans:
         live = plan.row_live & ~invalid[plan.row_req]
         err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
-        invalid = err != 0
-    if argmax_only and not (batch.needs_bans or batch.needs_bias or batch.needs_penalties):
-        return plan, plan.logits, err
-    z = process_rows(plan, row_max=row_max)
-    if batch.needs_bias or batch.needs_penalties:
-        # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
-        # processed logits hold NaN / +inf or nothing finite, as the Triton general path does.
-        zmax = z.amax(dim=-1)
-        live = plan.row_live & ~invalid[plan.row_req]
-        err |= _or_per_request(~torch.isfinite(zmax) & live, plan.row_req, n,
-                               ERR_PROCESSED_OVERFLOW)
-    return plan, z, err
+    return plan, row_max, err
 
 
 def processed_distribution(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,15 +546,24 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     n = plan.num_requests
     # (an all-greedy batch without logprobs takes only argmaxes: no z', no normaliser)
     argmax_only = not batch.any_sampled and batch.max_logprobs < 0
-    plan, z, err = processed_logits(plan, argmax_only=argmax_only)
-    invalid = err != 0
-    tile_lse = lse = None
-    if not argmax_only:
-        tile_lse, lse = processed_tile_logsumexp(z)
     req = plan.row_req
-    greedy_req = batch.temperature == 0
-    y = sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req], batch.seed_hi[req],
-                    plan.row_pos)
+    z = tile_lse = lse = None
+    if not argmax_only and _temperature_only(plan) and cpu_compile.active(plan.logits):
+        # (only the tokens are needed: one compiled pass, z' never stored)
+        plan, row_max, err = clean_rows(plan)
+        y = _call_rows("temperature_rows", _temperature_rows, plan.logits, (
+            row_max, batch.temperature[req], batch.seed_lo[req], batch.seed_hi[req],
+            plan.row_pos), rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE)
+        if batch.any_greedy:  # (argmax z' = argmax of the cleaned logits where T = 0)
+            idx = (batch.temperature == 0)[req].nonzero().squeeze(1)
+            y[idx] = first_argmax(plan.logits[idx].float())
+    else:
+        plan, z, err = processed_logits(plan, argmax_only=argmax_only)
+        if not argmax_only:
+            tile_lse, lse = processed_tile_logsumexp(z)
+        y = sample_rows(z, tile_lse, (batch.temperature == 0)[req], batch.seed_lo[req],
+                        batch.seed_hi[req], plan.row_pos)
+    invalid = err != 0
     if plan.max_k == 0:  # sample(), or no drafts at all: each request emits its row's token
         # (a new tensor: the cached layout may hold inference-mode tensors, which autograd
         # must not save when the logits require grad)
@@ -501,6 +581,30 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         logprob_token_ids=logprob_ids, invalid=invalid), err
 
 
+def _temperature_only(plan: Plan) -> bool:
+    """True when a verification needs only each row's token: temperature is the only
+    processor (no bans, bias, penalties or filters), no logprobs, one-hot drafts."""
+    b = plan.batch
+    return not (b.needs_bans or b.needs_bias or b.needs_penalties or b.needs_filter
+                or b.max_logprobs >= 0 or plan.has_draft_dist)
+
+
+def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_verify_drafts` for one-hot drafts (sample-and-match, and greedy verification):
+    draft j is accepted when it equals row j's token ``y``, so the emitted tokens are the
+    rows' own tokens up to and including the first mismatch (the leading run within k_eff:
+    ``plan.draft_grid`` holds -1 past it, which never matches)."""
+    k = plan.max_k
+    j = torch.arange(k + 1, device=y.device)
+    rows = (plan.row_start[:, None] + j).clamp_max(plan.num_rows - 1)
+    y_grid = y[rows]
+    num_accepted = (plan.draft_grid == y_grid[:, :k]).cumprod(dim=1).sum(dim=1)
+    num_accepted = torch.where(invalid, 0, num_accepted)
+    emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
+    return rows, num_accepted, torch.where(emitted, y_grid, -1), emitted
+
+
 def _verify_drafts(plan: Plan, z: torch.Tensor, lse: torch.Tensor | None, y: torch.Tensor,
                    invalid: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -510,18 +614,20 @@ def _verify_drafts(plan: Plan, z: torch.Tensor, lse: torch.Tensor | None, y: tor
     log-normalisers ``lse``), the rows' samples ``y`` and the invalid requests."""
     batch = plan.batch
     n = plan.num_requests
+    # (a draft distribution with no drafts at all, e.g. every k_i = 0 under a fixed
+    # max_num_draft_tokens, has no row to read: every request just gets its bonus token)
+    has_dist = plan.has_draft_dist and plan.draft_token_ids.numel() > 0
+    if not has_dist:
+        return _match_drafts(plan, y, invalid)
     greedy_req = batch.temperature == 0
     rows, d, didx = _grid(plan)
     k = plan.max_k
     k_eff = plan.k_eff
     y_grid = y[rows]
-    # (a draft distribution with no drafts at all, e.g. every k_i = 0 under a fixed
-    # max_num_draft_tokens, has no row to read: every request just gets its bonus token)
-    has_dist = plan.has_draft_dist and plan.draft_token_ids.numel() > 0
-    sampled_dist = ~greedy_req & has_dist
+    sampled_dist = ~greedy_req
     accept = d == y_grid[:, :k]  # sample-and-match (one-hot) and greedy verification
     emit = y_grid
-    if has_dist and bool(sampled_dist.any()):
+    if bool(sampled_dist.any()):
         if plan.method == "block":
             n_acc_dist, rho_tau = _block_tau(plan, z, lse, rows, d, didx, sampled_dist)
         else:

@@ -1,0 +1,210 @@
+"""The torch backend's compiled CPU functions (specsample.cpu_compile) against their eager form.
+
+The rest of the suite runs the same functions uncompiled (conftest.py); here compilation is
+on, and every compiled result must be the eager one: the same tokens, accepted counts and
+invalid flags for verify() and sample() over the shape classes torch.compile distinguishes
+(one row, which is passed twice; a vocabulary below one tile, a multiple of it, with a
+remainder), mixed greedy / sampled batches, invalid requests, -inf logits, placeholders, and
+the paths that draw through the compiled three-level draw alone (filters, penalties, draft
+probabilities' residual draws). A chi-square test checks the compiled draw's law against the
+softmax, with a power check; compile failures fall back eagerly, counted and warned.
+
+All tests share one xdist group: each shape class compiles once (15-25 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specsample import SamplingBatch, SamplingParams, cpu_compile, paths, sample, verify
+from specsample import torch_backend as tb
+
+pytestmark = pytest.mark.xdist_group("cpu_compile")
+
+
+@pytest.fixture(autouse=True)
+def compiled(monkeypatch):
+    monkeypatch.setattr(cpu_compile, "ENABLED", True)
+    paths.reset()
+    yield
+    paths.reset()
+
+
+def _outputs_equal(a, b) -> None:
+    assert torch.equal(a.token_ids, b.token_ids)
+    assert torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.invalid, b.invalid)
+
+
+def _case(n: int, k: int, v: int, seed: int, **options):
+    g = torch.Generator().manual_seed(seed)
+    temps = [0.0 if (i + seed) % 3 == 0 else 0.5 + 0.4 * i for i in range(n)]
+    params = [SamplingParams(temperature=t, seed=seed * 100 + i, **options)
+              for i, t in enumerate(temps)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, prompt_token_ids=[[1, 2]] * n,
+                                      output_token_ids=[[3]] * n)
+    logits = torch.randn(n * (k + 1), v, generator=g) * 2
+    if seed % 4 == 1:
+        logits[0, 5] = float("nan")  # request 0 invalid
+    if seed % 4 == 2:
+        logits[:, ::2] = -torch.inf
+    if seed % 2:  # drafts that match (long accepted runs), else random ones
+        drafts = logits.nan_to_num(0).view(n, k + 1, v)[:, :k].argmax(-1).reshape(-1)
+    else:
+        drafts = torch.randint(0, v, (n * k,), generator=g)
+    if seed % 5 == 3 and k:
+        drafts[0] = -1  # a placeholder
+    return logits, drafts, batch, torch.randint(0, 2**33, (n,), generator=g)
+
+
+SHAPES = [(1, 4, 49152), (1, 0, 49152), (3, 2, 1000), (2, 3, 6144), (4, 1, 5000),
+          (1, 2, 100), (2, 0, 3000)]
+
+
+@pytest.mark.parametrize("n,k,v", SHAPES)
+def test_temperature_only_verify_matches_eager(n, k, v):
+    for seed in range(6):
+        logits, drafts, batch, pos = _case(n, k, v, seed)
+        a = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+        with cpu_compile.disabled():
+            b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+        _outputs_equal(a, b)
+    counts = paths.counts()
+    assert counts["cpu.compiled.temperature_rows"]["calls"] >= 3  # (not all-greedy batches)
+    assert "cpu.compiled.draw" not in counts  # (one compiled function did all the draws)
+
+
+def test_sample_matches_eager():
+    for n, v in [(1, 49152), (5, 3000), (2, 100)]:
+        logits, _, batch, pos = _case(n, 0, v, 7)
+        a = sample(logits, batch, positions=pos).token_ids
+        with cpu_compile.disabled():
+            b = sample(logits, batch, positions=pos).token_ids
+        assert torch.equal(a, b)
+    assert paths.counts()["cpu.compiled.temperature_rows"]["calls"] == 3
+
+
+@pytest.mark.parametrize("options", [{"top_p": 0.9, "top_k": 40}, {"min_p": 0.05},
+                                     {"repetition_penalty": 1.3, "presence_penalty": 0.5}])
+def test_processed_rows_draw_compiled(options):
+    """Filters and penalties keep the eager processing; only the draw is compiled."""
+    for n, k, v in [(2, 3, 5000), (1, 2, 49152)]:
+        for seed in (0, 1, 2):
+            logits, drafts, batch, pos = _case(n, k, v, seed, **options)
+            a = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+            with cpu_compile.disabled():
+                b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+            _outputs_equal(a, b)
+    counts = paths.counts()
+    assert counts["cpu.compiled.draw"]["calls"] > 0
+    assert counts["cpu.eager.draw"]["calls"] > 0  # (the disabled() runs)
+    assert "cpu.compiled.temperature_rows" not in counts
+
+
+def test_residual_draws_compiled():
+    """Draft probabilities: the residual distribution's draw runs compiled."""
+    n, k, v = 3, 3, 5000
+    g = torch.Generator().manual_seed(3)
+    for seed in range(4):
+        logits, _, batch, pos = _case(n, k, v, seed + 8)
+        q = torch.softmax(torch.randn(n * k, v, generator=g) * 2, -1)
+        drafts = torch.multinomial(q, 1, generator=g).squeeze(1)
+        a = verify(logits, drafts, [k] * n, batch, positions=pos, draft_probs=q, strict=False)
+        with cpu_compile.disabled():
+            b = verify(logits, drafts, [k] * n, batch, positions=pos, draft_probs=q,
+                       strict=False)
+        _outputs_equal(a, b)
+    assert paths.counts()["cpu.compiled.draw"]["calls"] > 0
+
+
+def test_draw_edge_rows():
+    """Rows with -inf tiles, one finite token, a single tile, and every row -inf."""
+    v = 5000
+    z = torch.full((4, v), -torch.inf)
+    z[0, 4999] = 0.0  # only the last (partial) tile
+    z[1, :2048] = torch.linspace(-3, 0, 2048)  # only tile 0
+    z[2, 100] = 0.0
+    z[2, 4500] = -0.5
+    seeds = torch.arange(4) * 977
+    for pos in range(20):
+        p = torch.full((4,), pos)
+        a = tb.tiled_gumbel_argmax(z, None, seeds, seeds + 1, p, 0, 5)
+        with cpu_compile.disabled():
+            b = tb.tiled_gumbel_argmax(z, None, seeds, seeds + 1, p, 0, 5)
+        assert torch.equal(a, b)
+        assert a[0] == 4999 and a[1] < 2048 and a[2] in (100, 4500) and 0 <= a[3] < v
+
+
+def test_law_of_the_compiled_draw():
+    """Chi-square of 24,000 compiled draws (sample(), V = 5,000: three tiles, one partial)
+    against softmax(z / T); the same test must reject the law at a wrong temperature."""
+    v, temperature, n = 5000, 0.7, 4000
+    g = torch.Generator().manual_seed(11)
+    row = torch.full((v,), -6.0)  # (a tail of about 5% of the mass, over every tile)
+    hot = torch.randperm(v, generator=g)[:12]  # spread over the tiles
+    row[hot] = torch.randn(12, generator=g)
+    logits = row.expand(n, v).contiguous()
+    law = torch.softmax(row.double() / temperature, -1).numpy()
+
+    def counts(t: float) -> np.ndarray:
+        batch = SamplingBatch.from_params(
+            [SamplingParams(temperature=t, seed=5000 + i) for i in range(n)], vocab_size=v)
+        out = np.zeros(v, dtype=np.int64)
+        for step in range(6):
+            tok = sample(logits, batch, positions=torch.full((n,), step * 7)).token_ids
+            out += np.bincount(tok.numpy(), minlength=v)
+        return out
+
+    def pvalue(observed: np.ndarray) -> float:
+        keep = law * observed.sum() >= 5  # the hot tokens; the tail pooled into one bin
+        f_obs = np.append(observed[keep], observed[~keep].sum())
+        f_exp = np.append(law[keep], law[~keep].sum()) * observed.sum()
+        assert f_exp.min() >= 5
+        return float(stats.chisquare(f_obs, f_exp).pvalue)
+
+    assert pvalue(counts(temperature)) > 1e-3
+    assert pvalue(counts(1.0)) < 1e-6  # power: a sampler that ignored T = 0.7
+    assert paths.counts()["cpu.compiled.temperature_rows"]["calls"] == 12
+
+
+def test_switches_and_gradients():
+    logits, drafts, batch, pos = _case(2, 2, 3000, 4)
+    with cpu_compile.disabled():
+        verify(logits, drafts, [2, 2], batch, positions=pos)
+    assert "cpu.eager.draw" in paths.counts()
+    assert not any(k.startswith("cpu.compiled") for k in paths.counts())
+    paths.reset()
+    # logits that need a gradient take the eager processing (z' keeps its graph); the draw,
+    # an integer result of detached values, still runs compiled
+    leaf = logits.clone().requires_grad_(True)
+    assert not cpu_compile.active(leaf)
+    verify(leaf, drafts, [2, 2], batch, positions=pos)
+    assert "cpu.compiled.temperature_rows" not in paths.counts()
+    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
+
+
+def test_compile_failure_falls_back(monkeypatch):
+    monkeypatch.setattr(cpu_compile, "_failed", {})
+
+    def broken(name, fn):
+        def run(*args):
+            raise RuntimeError("no C++ compiler here")
+        return run
+
+    monkeypatch.setattr(cpu_compile, "_compiled_fn", broken)
+    logits, drafts, batch, pos = _case(2, 2, 3000, 4)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler here"):
+        a = verify(logits, drafts, [2, 2], batch, positions=pos)
+    with cpu_compile.disabled():
+        b = verify(logits, drafts, [2, 2], batch, positions=pos)
+    _outputs_equal(a, b)
+    assert "temperature_rows" in cpu_compile.failures()
+    assert paths.counts()["cpu.compile_failed.temperature_rows"]["calls"] == 1
+    # later calls take the eager processing (the compiled route is no longer active)
+    assert not cpu_compile.active(logits)
+    with pytest.warns(RuntimeWarning, match="'draw' failed"):
+        verify(logits, drafts, [2, 2], batch, positions=pos)
+    assert paths.counts()["cpu.compile_failed.draw"]["calls"] == 1
