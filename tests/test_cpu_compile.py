@@ -73,7 +73,7 @@ def test_temperature_only_verify_matches_eager(n, k, v):
             b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
         _outputs_equal(a, b)
     counts = paths.counts()
-    assert counts["cpu.compiled.temperature_rows"]["calls"] >= 3  # (not all-greedy batches)
+    assert counts["cpu.compiled.processed_rows"]["calls"] >= 3  # (not all-greedy batches)
     assert "cpu.compiled.draw" not in counts  # (one compiled function did all the draws)
 
 
@@ -84,24 +84,58 @@ def test_sample_matches_eager():
         with cpu_compile.disabled():
             b = sample(logits, batch, positions=pos).token_ids
         assert torch.equal(a, b)
-    assert paths.counts()["cpu.compiled.temperature_rows"]["calls"] == 3
+    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 3
 
 
-@pytest.mark.parametrize("options", [{"top_p": 0.9, "top_k": 40}, {"min_p": 0.05},
-                                     {"repetition_penalty": 1.3, "presence_penalty": 0.5}])
-def test_processed_rows_draw_compiled(options):
-    """Filters and penalties keep the eager processing; only the draw is compiled."""
-    for n, k, v in [(2, 3, 5000), (1, 2, 49152)]:
-        for seed in (0, 1, 2):
+OPTIONS = [{"top_p": 0.9, "top_k": 40}, {"top_p": 0.5}, {"min_p": 0.05}, {"top_k": 3},
+           {"repetition_penalty": 1.3, "presence_penalty": 0.5},
+           {"logit_bias": {7: 3.0, 99: -100.0}, "frequency_penalty": 0.4, "top_p": 0.8},
+           {"bad_words_token_ids": [[3]], "min_p": 0.2}]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_processed_rows_match_eager(options):
+    """Filters, penalties, bias and bans in the compiled pass (the cut and the processed rows
+    from the eager code, applied on the fly)."""
+    for n, k, v in [(2, 3, 5000), (1, 2, 49152), (3, 1, 700)]:
+        for seed in (0, 1, 2, 3):
             logits, drafts, batch, pos = _case(n, k, v, seed, **options)
             a = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
             with cpu_compile.disabled():
                 b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
             _outputs_equal(a, b)
     counts = paths.counts()
-    assert counts["cpu.compiled.draw"]["calls"] > 0
+    assert counts["cpu.compiled.processed_rows"]["calls"] > 0
     assert counts["cpu.eager.draw"]["calls"] > 0  # (the disabled() runs)
-    assert "cpu.compiled.temperature_rows" not in counts
+
+
+def test_tie_split_by_a_filter():
+    """A top_k boundary inside a tie group is not a threshold: the eager processed rows, then
+    the compiled draw."""
+    logits, drafts, batch, pos = _case(2, 2, 3000, 2, top_k=3)
+    logits = logits.nan_to_num(0.0).round()  # (many ties)
+    logits[:, 10:13] = 9.0
+    logits[:, 20:22] = 8.0  # rank 4 and 5 tie with rank 4: top_k = 3 keeps ids 10..12 only
+    logits[1::3, 10] = 7.0  # (some rows: 11, 12, then one of the two tied 8.0s)
+    a = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
+    with cpu_compile.disabled():
+        b = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
+    _outputs_equal(a, b)
+    assert "cpu.compiled.processed_rows" not in paths.counts()
+    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
+
+
+def test_logprobs_keep_the_eager_processing():
+    """With logprobs the processed logits are kept: the eager processing, compiled draws."""
+    logits, drafts, batch, pos = _case(2, 2, 5000, 1, top_p=0.9, logprobs=3)
+    a = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
+    with cpu_compile.disabled():
+        b = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
+    _outputs_equal(a, b)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.logprob_token_ids,
+                                                              b.logprob_token_ids)
+    assert "cpu.compiled.processed_rows" not in paths.counts()
+    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
 
 
 def test_residual_draws_compiled():
@@ -167,7 +201,7 @@ def test_law_of_the_compiled_draw():
 
     assert pvalue(counts(temperature)) > 1e-3
     assert pvalue(counts(1.0)) < 1e-6  # power: a sampler that ignored T = 0.7
-    assert paths.counts()["cpu.compiled.temperature_rows"]["calls"] == 12
+    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 12
 
 
 def test_switches_and_gradients():
@@ -182,7 +216,7 @@ def test_switches_and_gradients():
     leaf = logits.clone().requires_grad_(True)
     assert not cpu_compile.active(leaf)
     verify(leaf, drafts, [2, 2], batch, positions=pos)
-    assert "cpu.compiled.temperature_rows" not in paths.counts()
+    assert "cpu.compiled.processed_rows" not in paths.counts()
     assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
 
 
@@ -201,8 +235,8 @@ def test_compile_failure_falls_back(monkeypatch):
     with cpu_compile.disabled():
         b = verify(logits, drafts, [2, 2], batch, positions=pos)
     _outputs_equal(a, b)
-    assert "temperature_rows" in cpu_compile.failures()
-    assert paths.counts()["cpu.compile_failed.temperature_rows"]["calls"] == 1
+    assert "processed_rows" in cpu_compile.failures()
+    assert paths.counts()["cpu.compile_failed.processed_rows"]["calls"] == 1
     # later calls take the eager processing (the compiled route is no longer active)
     assert not cpu_compile.active(logits)
     with pytest.warns(RuntimeWarning, match="'draw' failed"):

@@ -457,18 +457,13 @@ def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor
     return top_v, cols.gather(1, at).clamp_max(v - 1)  # (padding: -inf values)
 
 
-def process_rows(plan: Plan, *, filters: bool = True,
-                 row_max: torch.Tensor | None = None) -> torch.Tensor:
-    """The processed float32 logits ``z'`` [T, V] of every row of ``plan`` (semantics.md §2).
-
-    ``z' = (y - max y) / T`` (greedy rows: T = 1; the max maps to exactly 0) where ``y`` is the
-    raw row after bans (-inf), logit bias and penalties, then -inf where a filter drops the
-    token (:func:`filter_cut`). A row whose bans leave nothing is all -inf. Rows of invalid
-    requests must have been sanitised by the caller. ``row_max``: [T] max of the raw rows if
-    the caller has it; without bans, logit bias or penalties ``y`` is then the raw logits
-    themselves (no float32 copy before the subtraction). On CPU the result is the reusable
-    ``workspace`` buffer "z": valid until the thread's next call.
-    """
+def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What the processed logits of ``plan``'s rows are made of: (``y`` [T, V], the rows after
+    bans (-inf), logit bias and penalties; ``m`` [T] float32, their maxima, NaN / +-inf
+    included; the filter cut of :func:`filter_cut`, or None). ``row_max``: [T] max of the
+    raw rows if the caller has it; without bans, logit bias or penalties ``y`` is then the raw
+    logits themselves (any float dtype: no float32 copy) and ``m`` is ``row_max``."""
     batch: SamplingBatch = plan.batch
     if row_max is not None and not (batch.needs_bias or batch.needs_penalties
                                     or batch.needs_bans):
@@ -479,10 +474,28 @@ def process_rows(plan: Plan, *, filters: bool = True,
         apply_bans(y, plan)
         apply_bias_and_penalties(y, plan)
         m = y.amax(dim=-1)
+    cut = None
+    if filters and batch.needs_filter:
+        cut = filter_cut(y, torch.where(torch.isfinite(m), m, torch.zeros_like(m)), plan)
+    return y, m, cut
+
+
+def process_rows(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None,
+                 inputs: tuple | None = None) -> torch.Tensor:
+    """The processed float32 logits ``z'`` [T, V] of every row of ``plan`` (semantics.md §2).
+
+    ``z' = (y - max y) / T`` (greedy rows: T = 1; the max maps to exactly 0) where ``y`` is the
+    raw row after bans (-inf), logit bias and penalties, then -inf where a filter drops the
+    token (:func:`filter_cut`). A row whose bans leave nothing is all -inf. Rows of invalid
+    requests must have been sanitised by the caller. ``row_max`` as in :func:`row_inputs`;
+    ``inputs``: what :func:`row_inputs` returned, if the caller has it. On CPU the result is
+    the reusable ``workspace`` buffer "z": valid until the thread's next call.
+    """
+    batch: SamplingBatch = plan.batch
+    y, m, cut = inputs or row_inputs(plan, filters=filters, row_max=row_max)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
     t = batch.temperature[plan.row_req]
     t = torch.where(t > 0, t, torch.ones_like(t))
-    cut = filter_cut(y, m, plan) if filters and batch.needs_filter else None
     if y.requires_grad and torch.is_grad_enabled():  # (out= takes no autograd inputs)
         z = torch.sub(y, m[:, None]) if cut is None else apply_cut(y, *cut).sub_(m[:, None])
     else:

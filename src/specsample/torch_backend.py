@@ -19,7 +19,7 @@ import torch
 from . import cpu_compile, rng, workspace
 from .outputs import VerifyOutput
 from .plan import Plan
-from .processing import block_total, process_rows, rows_emptied_by_bans
+from .processing import block_total, process_rows, row_inputs, rows_emptied_by_bans
 
 ERR_LOGITS_NAN = 1  # a NaN or +inf target logit
 ERR_LOGITS_NO_FINITE = 2  # a target row with no finite logit
@@ -221,24 +221,30 @@ def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_h
     return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def _temperature_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
-                      seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor,
-                      streams) -> torch.Tensor:
-    """[R] int64: the draw of :func:`tiled_gumbel_argmax` from each row of ``x`` (cleaned
-    logits [R, V], their max ``row_max`` [R]) for a batch whose only processor is
-    temperature: ``z = (x - row_max) / T`` as ``processing.process_rows`` computes it (T = 1
-    where ``temperature`` is 0; the caller takes those rows' argmax), the tiles' log-sum-exp
-    from it, then the draw. Compiled (``cpu_compile``), the rows are read once and z' is never
-    stored."""
+def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
+                    cut: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                    pos: torch.Tensor, streams) -> torch.Tensor:
+    """[R] int64: the draw of :func:`tiled_gumbel_argmax` from the processed logits of each
+    row, made on the fly from ``x`` [R, V] (the rows after bans, bias and penalties:
+    ``processing.row_inputs``), their maxima ``row_max`` [R] (non-finite: 0, as
+    ``processing.process_rows``), the temperature (T = 0: divide by 1; the caller takes those
+    rows' argmax) and a threshold filter cut (keep x >= ``cut`` [R]; -inf keeps everything):
+    ``z = (x - max) / T`` or -inf, then the tiles' log-sum-exp, then the draw. Compiled
+    (``cpu_compile``): the rows are read once and z' is never stored."""
     r, v = x.shape
     m = torch.where(torch.isfinite(row_max), row_max, 0.0).float()[:, None]
     t = torch.where(temperature > 0, temperature, 1.0)[:, None]
-    tile_lse = tile_logsumexp((x.float() - m) / t)
+
+    def processed(xv: torch.Tensor) -> torch.Tensor:
+        xv = xv.float()
+        return torch.where(xv >= cut[:, None], (xv - m) / t, -math.inf)
+
+    tile_lse = tile_logsumexp(processed(x))
     flat, base = x.reshape(-1), torch.arange(r, device=x.device)[:, None] * v
 
-    def values(tok: torch.Tensor) -> torch.Tensor:  # (z at the draw's ids, computed alike)
-        xv = flat.take(base + tok.clamp_max(v - 1)).float()
-        return torch.where(tok < v, (xv - m) / t, -math.inf)
+    def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids, computed alike)
+        return torch.where(tok < v, processed(flat.take(base + tok.clamp_max(v - 1))),
+                           -math.inf)
 
     return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
 
@@ -548,15 +554,8 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     argmax_only = not batch.any_sampled and batch.max_logprobs < 0
     req = plan.row_req
     z = tile_lse = lse = None
-    if not argmax_only and _temperature_only(plan) and cpu_compile.active(plan.logits):
-        # (only the tokens are needed: one compiled pass, z' never stored)
-        plan, row_max, err = clean_rows(plan)
-        y = _call_rows("temperature_rows", _temperature_rows, plan.logits, (
-            row_max, batch.temperature[req], batch.seed_lo[req], batch.seed_hi[req],
-            plan.row_pos), rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE)
-        if batch.any_greedy:  # (argmax z' = argmax of the cleaned logits where T = 0)
-            idx = (batch.temperature == 0)[req].nonzero().squeeze(1)
-            y[idx] = first_argmax(plan.logits[idx].float())
+    if not argmax_only and _tokens_only(plan) and cpu_compile.active(plan.logits):
+        plan, y, err = _compiled_tokens(plan)
     else:
         plan, z, err = processed_logits(plan, argmax_only=argmax_only)
         if not argmax_only:
@@ -581,12 +580,40 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         logprob_token_ids=logprob_ids, invalid=invalid), err
 
 
-def _temperature_only(plan: Plan) -> bool:
-    """True when a verification needs only each row's token: temperature is the only
-    processor (no bans, bias, penalties or filters), no logprobs, one-hot drafts."""
-    b = plan.batch
-    return not (b.needs_bans or b.needs_bias or b.needs_penalties or b.needs_filter
-                or b.max_logprobs >= 0 or plan.has_draft_dist)
+def _tokens_only(plan: Plan) -> bool:
+    """True when a verification needs only each row's token (no logprobs, one-hot drafts):
+    no processed logits need to be kept."""
+    return plan.batch.max_logprobs < 0 and not plan.has_draft_dist
+
+
+def _compiled_tokens(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+    """(the cleaned plan, [T] token of every row, [N] ERR_* bitmask) for a verification that
+    needs only the rows' tokens: :func:`processed_logits`' validation, then the compiled
+    :func:`_processed_rows` (each sampled row's draw from z', made on the fly), and the
+    argmax of the processed rows where T = 0. A filter cut that splits a tie group (not a
+    threshold) takes the eager processing, and the compiled draw."""
+    batch = plan.batch
+    req = plan.row_req
+    plan, row_max, err = clean_rows(plan)
+    x, m, cut = row_inputs(plan, row_max=row_max)
+    if batch.needs_bias or batch.needs_penalties:  # (as processed_logits: z' max not finite)
+        live = plan.row_live & (err == 0)[req]
+        err |= _or_per_request(~torch.isfinite(m) & live, req, plan.num_requests,
+                               ERR_PROCESSED_OVERFLOW)
+    if cut is not None and not bool((cut[1] >= plan.vocab_size).all()):
+        # (a filter boundary splits a tie group, rare: z' from the eager processing)
+        z = process_rows(plan, inputs=(x, m, cut))
+        tile_lse, _ = processed_tile_logsumexp(z)
+        return plan, sample_rows(z, tile_lse, (batch.temperature == 0)[req], batch.seed_lo[req],
+                                 batch.seed_hi[req], plan.row_pos), err
+    cut_v = torch.full_like(m, -math.inf) if cut is None else cut[0]
+    y = _call_rows("processed_rows", _processed_rows, x, (
+        m, batch.temperature[req], cut_v, batch.seed_lo[req], batch.seed_hi[req],
+        plan.row_pos), rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE)
+    if batch.any_greedy:  # (argmax z' = argmax of the rows before temperature where T = 0)
+        idx = (batch.temperature == 0)[req].nonzero().squeeze(1)
+        y[idx] = first_argmax(x[idx].float())
+    return plan, y, err
 
 
 def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
