@@ -96,3 +96,21 @@ def test_warmup_on_a_machine_without_cuda_says_so():
         specsample.warmup(vocab_size=1024)
     assert specsample.warmup("cpu", vocab_size=64, dtypes=(torch.float32,),
                              methods=("token",)) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path without Triton's driver")
+def test_warmup_on_cpu_without_the_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    # warmup("cpu") launched the Triton layout and tree kernels whatever the backend: without
+    # TRITON_INTERPRET (a user's CPU machine) Triton found no driver and warmup raised.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch, specsample; "
+            "print(specsample.warmup('cpu', vocab_size=3000, dtypes=(torch.float32,), "
+            "methods=('token',)), sorted(specsample.paths.counts()))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch.verify.onehot" in out.stdout

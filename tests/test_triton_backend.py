@@ -487,6 +487,7 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
 
     monkeypatch.setattr(api, "verify", verify)
     monkeypatch.setattr(api, "sample", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "select_backend", lambda device: "triton")  # (the interpreter)
     warmed = []
     monkeypatch.setattr(triton_backend.layout, "warm", warmed.append)
     monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])

@@ -619,7 +619,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     Raises:
         ValueError: an unknown ``on_compile`` or dtype.
     """
-    from ..api import sample, verify
+    from ..api import sample, select_backend, verify
     from ..params import SamplingBatch, SamplingParams
 
     device = torch.device(device)
@@ -654,8 +654,10 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         verify(rows, drafts, k, batch, positions=pos, strict=False)
                         calls += 2
         # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
-        # variants of a host num_draft_tokens)
-        layout.warm(device)
+        # variants of a host num_draft_tokens); not on the PyTorch backend (CPU tensors
+        # without the interpreter), which has no kernel of its own
+        if select_backend(device) == "triton":
+            layout.warm(device)
         return calls
 
     def every_kind() -> int:
@@ -696,10 +698,10 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         calls += 2
         from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
 
-        tree_kernels.warm(device, vocab_size, dtypes[0] if dtypes else torch.float32)
+        if select_backend(device) == "triton":
+            tree_kernels.warm(device, vocab_size, dtypes[0] if dtypes else torch.float32)
         return calls
 
-    from ..api import select_backend
     from . import compile_pool
 
     with compile_pool.LOCK:  # (one warmup at a time: the parallel steps swap Triton's hooks)
