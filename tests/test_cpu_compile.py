@@ -4,10 +4,13 @@ The rest of the suite runs the same functions uncompiled (conftest.py); here com
 on, and every compiled result must be the eager one: the same tokens, accepted counts and
 invalid flags for verify() and sample() over the shape classes torch.compile distinguishes
 (one row, which is passed twice; a vocabulary below one tile, a multiple of it, with a
-remainder), mixed greedy / sampled batches, invalid requests, -inf logits, placeholders, and
-the paths that draw through the compiled three-level draw alone (filters, penalties, draft
-probabilities' residual draws). A chi-square test checks the compiled draw's law against the
-softmax, with a power check; compile failures fall back eagerly, counted and warned.
+remainder), mixed greedy / sampled batches, invalid requests, -inf logits, placeholders,
+filters (threshold cuts and cuts inside a tie group), penalties, bias, bans, logprobs, the
+residual draws of draft probabilities (the compiled three-level draw), logits dtypes and
+autograd / inference modes mixed in one process. Tokens never depend on the other requests
+(guarantee 3, at constructed near-ties). A chi-square test checks the compiled draw's law
+against the softmax, with a power check; compile failures fall back eagerly, counted and
+warned.
 
 All tests share one xdist group: each shape class compiles once (15-25 s on 2 cores).
 """
@@ -19,7 +22,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specsample import SamplingBatch, SamplingParams, cpu_compile, paths, sample, verify
+from specsample import SamplingBatch, SamplingParams, cpu_compile, paths, rng, sample, verify
 from specsample import torch_backend as tb
 
 pytestmark = pytest.mark.xdist_group("cpu_compile")
@@ -106,27 +109,66 @@ def test_processed_rows_match_eager(options):
             _outputs_equal(a, b)
     counts = paths.counts()
     assert counts["cpu.compiled.processed_rows"]["calls"] > 0
-    assert counts["cpu.eager.draw"]["calls"] > 0  # (the disabled() runs)
+    assert counts["cpu.eager.processed_rows"]["calls"] > 0  # (the disabled() runs)
 
 
 def test_tie_split_by_a_filter():
-    """A top_k boundary inside a tie group is not a threshold: the eager processed rows, then
-    the compiled draw."""
+    """A top_k boundary inside a tie group (not a threshold): the cut's id rule applies inside
+    the compiled pass too."""
     logits, drafts, batch, pos = _case(2, 2, 3000, 2, top_k=3)
     logits = logits.nan_to_num(0.0).round()  # (many ties)
     logits[:, 10:13] = 9.0
-    logits[:, 20:22] = 8.0  # rank 4 and 5 tie with rank 4: top_k = 3 keeps ids 10..12 only
-    logits[1::3, 10] = 7.0  # (some rows: 11, 12, then one of the two tied 8.0s)
-    a = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
-    with cpu_compile.disabled():
-        b = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
-    _outputs_equal(a, b)
-    assert "cpu.compiled.processed_rows" not in paths.counts()
-    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
+    logits[:, 20:22] = 8.0
+    logits[1::3, 10] = 7.0  # (these rows keep 11, 12, then the lower id of the tied 8.0s)
+    for seed in range(8):
+        p = pos + seed
+        a = verify(logits, drafts, [2, 2], batch, positions=p, strict=False)
+        with cpu_compile.disabled():
+            b = verify(logits, drafts, [2, 2], batch, positions=p, strict=False)
+        _outputs_equal(a, b)
+        assert 21 not in a.token_ids[:, :1].tolist()  # (request 0's row 0: id 21 dropped)
+    # (two calls a verify: the tie rows with the id rule, the others with the threshold)
+    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 16
+
+
+def test_tokens_never_depend_on_the_other_requests():
+    """Guarantee 3 with compilation on: a seeded request's token is the same whatever the
+    other requests ask (logprobs need z' itself; a filter; a gradient). Near-ties make any
+    difference between two ways of computing the draw show: 801 requests with one seed and
+    position whose rows differ only by tile 1 moved in steps of 2e-8."""
+    v, n, seed, position = 4096, 801, 12345, 77
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(v, generator=g)
+    row[3] = 5.0  # (the row max in tile 0: moving tile 1 moves only its own log-sum-exp)
+    lo, hi = torch.tensor([seed]), torch.tensor([0])
+    noise = rng.gumbel(lo, hi, torch.tensor([position]), torch.arange(2), rng.STREAM_SAMPLE_TILE)
+    lse = tb.tile_logsumexp(row[None] - 5.0)[0].double()
+    tie = float(lse[0] + noise[0] - lse[1] - noise[1])  # tile 1's shift that ties the keys
+    logits = row.repeat(n, 1)
+    # about 30 float32 ulps of tile 1's log-sum-exp around the tie: the drawn tile flips
+    logits[:, 2048:] += tie + (torch.arange(n)[:, None] - n // 2) * 2e-8
+    plain = [SamplingParams(temperature=1.0, seed=seed)] * n
+    pos = torch.full((n,), position)
+
+    def tokens(extra: SamplingParams | None, x: torch.Tensor) -> torch.Tensor:
+        params = plain + ([extra] if extra else [])
+        rows = torch.cat([x, x[:1]]) if extra else x
+        p = torch.cat([pos, pos[:1]]) if extra else pos
+        return sample(rows, SamplingBatch.from_params(params, vocab_size=v),
+                      positions=p).token_ids[:n]
+
+    alone = tokens(None, logits)
+    assert 0 < int((alone >= 2048).sum()) < n  # (both tiles drawn: the sweep crosses the tie)
+    assert torch.equal(alone, tokens(SamplingParams(temperature=0.5, seed=1, logprobs=0),
+                                     logits))
+    assert torch.equal(alone, tokens(SamplingParams(temperature=0.5, seed=1, top_k=2),
+                                     logits))
+    assert torch.equal(alone, tokens(None, logits.clone().requires_grad_(True)))
 
 
 def test_logprobs_keep_the_eager_processing():
-    """With logprobs the processed logits are kept: the eager processing, compiled draws."""
+    """With logprobs z' itself is built (eagerly); the tokens still come from the compiled
+    pass."""
     logits, drafts, batch, pos = _case(2, 2, 5000, 1, top_p=0.9, logprobs=3)
     a = verify(logits, drafts, [2, 2], batch, positions=pos, strict=False)
     with cpu_compile.disabled():
@@ -134,8 +176,8 @@ def test_logprobs_keep_the_eager_processing():
     _outputs_equal(a, b)
     assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.logprob_token_ids,
                                                               b.logprob_token_ids)
-    assert "cpu.compiled.processed_rows" not in paths.counts()
-    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
+    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 1
+    assert "cpu.compiled.draw" not in paths.counts()
 
 
 def test_residual_draws_compiled():
@@ -208,16 +250,15 @@ def test_switches_and_gradients():
     logits, drafts, batch, pos = _case(2, 2, 3000, 4)
     with cpu_compile.disabled():
         verify(logits, drafts, [2, 2], batch, positions=pos)
-    assert "cpu.eager.draw" in paths.counts()
+    assert "cpu.eager.processed_rows" in paths.counts()
     assert not any(k.startswith("cpu.compiled") for k in paths.counts())
     paths.reset()
-    # logits that need a gradient take the eager processing (z' keeps its graph); the draw,
-    # an integer result of detached values, still runs compiled
+    # logits that need a gradient: the tokens, integer results of detached values, are
+    # still drawn by the compiled function
     leaf = logits.clone().requires_grad_(True)
-    assert not cpu_compile.active(leaf)
-    verify(leaf, drafts, [2, 2], batch, positions=pos)
-    assert "cpu.compiled.processed_rows" not in paths.counts()
-    assert paths.counts()["cpu.compiled.draw"]["calls"] == 1
+    a = verify(leaf, drafts, [2, 2], batch, positions=pos)
+    _outputs_equal(a, verify(logits, drafts, [2, 2], batch, positions=pos))
+    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 2
 
 
 def test_compile_failure_falls_back(monkeypatch):
@@ -235,10 +276,30 @@ def test_compile_failure_falls_back(monkeypatch):
     with cpu_compile.disabled():
         b = verify(logits, drafts, [2, 2], batch, positions=pos)
     _outputs_equal(a, b)
-    assert "processed_rows" in cpu_compile.failures()
+    assert "processed_rows[float32]" in cpu_compile.failures()
     assert paths.counts()["cpu.compile_failed.processed_rows"]["calls"] == 1
-    # later calls take the eager processing (the compiled route is no longer active)
-    assert not cpu_compile.active(logits)
-    with pytest.warns(RuntimeWarning, match="'draw' failed"):
-        verify(logits, drafts, [2, 2], batch, positions=pos)
-    assert paths.counts()["cpu.compile_failed.draw"]["calls"] == 1
+    # later calls of the same variant run eagerly without trying again
+    verify(logits, drafts, [2, 2], batch, positions=pos)
+    assert paths.counts()["cpu.compile_failed.processed_rows"]["calls"] == 2
+
+
+def test_modes_and_dtypes_mixed_in_one_process():
+    """Grad mode, no_grad, inference_mode and three logits dtypes in one process: each
+    (dtype, inference tensor or not) compiles apart, so no mix exhausts torch.compile's
+    limit of 8 recompilations per function (which once made it fail for good), and every
+    result is the eager one."""
+    base, drafts, batch, pos = _case(3, 2, 3000, 7, min_p=0.05)  # (a threshold cut)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for mode in ("grad", "no_grad", "inference"):
+            logits = base.nan_to_num(0.0).to(dtype)
+            ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
+                   "inference": torch.inference_mode}[mode]
+            with ctx():
+                a = verify(logits.clone(), drafts, [2] * 3, batch, positions=pos)
+            with cpu_compile.disabled():
+                b = verify(logits, drafts, [2] * 3, batch, positions=pos)
+            _outputs_equal(a, b)
+    assert cpu_compile.failures() == {}
+    counts = paths.counts()
+    assert counts["cpu.compiled.processed_rows"]["calls"] == 9
+    assert not any(k.startswith("cpu.compile_failed") for k in counts)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, sample, verify
+from specsample import SamplingBatch, SamplingError, SamplingParams, sample, verify
 
 V = 64
 BACKENDS = ["torch", "triton"]
@@ -209,3 +209,19 @@ def test_non_contiguous_draft_token_ids_read_as_given(monkeypatch):
                             strict=False)
     assert outs["torch"].num_accepted.tolist() == [2, 1]
     assert torch.equal(outs["triton"].token_ids, outs["torch"].token_ids)
+
+
+def test_draft_id_outside_the_vocabulary_with_a_penalty_is_flagged(backend):
+    # A live draft id >= V with a penalty raised IndexError from the output counts (the id
+    # indexed a [rows, V] tensor) instead of flagging the request (ERR_DRAFT_ID).
+    v = 100
+    batch = SamplingBatch.from_params(
+        [SamplingParams(temperature=0.8, seed=1, presence_penalty=1.0),
+         SamplingParams(temperature=0.8, seed=2, frequency_penalty=0.5)], vocab_size=v)
+    logits = torch.randn(5, v)
+    out = verify(logits, torch.tensor([v + 3, 1, 7]), [2, 1], batch, strict=False,
+                 positions=torch.tensor([0, 4]))
+    assert out.invalid.tolist() == [True, False]
+    assert out.token_ids[0].tolist() == [-1, -1, -1] and 0 <= int(out.token_ids[1, 0]) < v
+    with pytest.raises(SamplingError, match="draft id outside"):
+        verify(logits, torch.tensor([v + 3, 1, 7]), [2, 1], batch, positions=torch.tensor([0, 4]))

@@ -62,13 +62,13 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     Raises:
         ValueError: an unknown ``on_compile`` or dtype, or a CUDA ``device`` on a machine
-            without one (on CPU there is nothing to compile; ``device="cpu"`` runs the calls
-            on the CPU path).
+            without one (``device="cpu"`` compiles no Triton kernel: it runs the calls on the
+            CPU path, which compiles that path's functions, ``specsample.cpu_compile``).
     """
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"warmup(device={str(device)!r}) needs a CUDA device, and "
-                         "torch.cuda.is_available() is False (on CPU there is nothing to "
-                         "compile; device='cpu' runs the calls on the CPU path)")
+                         "torch.cuda.is_available() is False (device='cpu' runs the calls "
+                         "on the CPU path, which compiles that path's functions)")
     from . import triton_backend
 
     return triton_backend.warmup(device, vocab_size=vocab_size,

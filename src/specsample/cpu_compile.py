@@ -1,29 +1,39 @@
 """Compiled CPU code for the torch backend's hot functions (torch.compile, Inductor's C++).
 
 On a CPU an eager PyTorch call costs a few microseconds of dispatch per tensor operation
-whatever its size, and the torch backend's three-level draw (``torch_backend.draw_rows``)
-is about 120 small operations per call: the Philox rounds of three noise levels, gathers and
-arg-maxes. ``torch.compile`` turns such a function into one C++ loop nest that evaluates the
-same integer arithmetic (the Philox words are bit for bit the same) and the same float64
-keys, at a fifth of the time (0.06 ms instead of 0.3 ms for the draws of 5 rows at
-V = 49,152, one thread).
+whatever its size, and the torch backend's three-level draw is about 120 small operations per
+call: the Philox rounds of three noise levels, gathers and arg-maxes, around the passes that
+build the processed logits. ``torch.compile`` turns such a function into one C++ loop nest
+that evaluates the same integer arithmetic (the Philox words are bit for bit the same) at a
+fraction of the time (the draws of 5 rows at V = 49,152 on one thread: 0.06 ms instead of
+0.3 ms). Its floating-point results may round differently from the eager run of the same
+function (a log, a sum in another order: an ulp), as the backends do between them; the
+torch backend therefore draws every sampled CPU row with one function
+(``torch_backend.sample_processed``), so that no request's tokens depend on which other
+requests share its batch.
 
-:func:`call` runs a function compiled when every tensor argument is on the CPU and none
-needs a gradient, and eagerly otherwise. The first compiled call of a function compiles it:
-about 20-25 s on a 2-core machine with an empty cache, 3-4 s in a later process (Inductor
-keeps its output on disk); the engine's warm-up call takes that cost out of the timings.
-Shapes are dynamic (one compiled function for every batch size and vocabulary); a tensor
-dimension of size 1 would be specialised by ``torch.compile``, so callers pad those.
+:func:`call` runs a function compiled when its tensors are on the CPU, with gradients off
+(the torch backend passes detached tensors: its compiled functions return token ids). The
+first call of a variant compiles it: about 15-25 s on a 2-core machine with an empty cache,
+3-4 s in a later process (Inductor keeps its output on disk); ``specsample.warmup(
+device="cpu", vocab_size=V)`` and the engine's warm-up call take that cost out of the
+timings. Shapes are dynamic: one compilation serves every batch size, and a vocabulary
+falls in one of a few classes (below one tile of 2,048, a multiple of it, or neither). A
+variant is a logits dtype together with the kind of tensor (inference tensors, made under
+``torch.inference_mode``, or not); each variant has its own compiled function, so a process
+that mixes them does not run into torch.compile's limit of 8 recompilations per function.
+A tensor dimension of size 1 would be specialised by ``torch.compile``: callers pad those.
 
 Paths (``specsample.paths``), counted per call with the rows it handled:
 
 * ``cpu.compiled.<name>``: the compiled function ran;
 * ``cpu.eager.<name>``: compilation is switched off (:func:`disabled`, or the environment
-  variable ``SPECSAMPLE_CPU_COMPILE=0`` read at import), or an argument needs a gradient
-  (the torch backend passes detached tensors where no gradient can flow, as to its draws);
+  variable ``SPECSAMPLE_CPU_COMPILE=0`` read at import), or a tensor argument needs a
+  gradient (never from the torch backend, which passes detached tensors);
 * ``cpu.compile_failed.<name>``: compiling failed (for example no C++ compiler on the
-  machine); the call ran eagerly, a ``RuntimeWarning`` names the error once, and later calls
-  of that function run eagerly (and count here). :func:`failures` lists the errors.
+  machine); the call ran eagerly, a ``RuntimeWarning`` names the error once per variant,
+  and later calls of that variant run eagerly (and count here). :func:`failures` lists the
+  errors.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import contextlib
 import contextvars
 import os
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -60,34 +71,32 @@ def disabled() -> Iterator[None]:
 
 
 def failures() -> dict[str, str]:
-    """``{function name: the error its compilation raised}`` for this process."""
+    """``{function name[variant]: the error its compilation raised}`` for this process."""
     with _lock:
         return dict(_failed)
 
 
-def active(*tensors: torch.Tensor) -> bool:
-    """True when :func:`call` with these tensor arguments would run compiled (or try to):
-    all on the CPU, compilation on and never failed, no gradient needed. A caller whose
-    eager alternative
-    is cheaper than the eager run of the compiled function asks first."""
-    return (ENABLED and not _off.get() and not _failed
-            and all(t.device.type == "cpu" for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
-
-
-def _compiled_fn(name: str, fn: Callable) -> Callable:
+def _compiled_fn(key: str, fn: Callable) -> Callable:
     with _lock:
-        c = _compiled.get(name)
+        c = _compiled.get(key)
         if c is None:
-            c = _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+            # A copy of the function with its own code object: torch.compile keeps its
+            # compiled variants, and its limit of recompilations (8), per code object, so each
+            # variant key gets its own budget of shape classes.
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            c = _compiled[key] = torch.compile(copy, dynamic=True, fullgraph=True)
         return c
 
 
-def call(name: str, fn: Callable, *args, rows: int):
+def call(name: str, fn: Callable, *args, rows: int, variant: tuple = ()):
     """``fn(*args)``, compiled on the CPU (see the module docstring); counts the path
     ``cpu.<compiled|eager|compile_failed>.<name>`` with ``rows`` rows. ``fn`` must be a pure
     function of its tensor arguments (the compiled and eager results are the same function),
-    and the tensors must be on one device: only CPU calls are counted or compiled."""
+    and the tensors must be on one device: only CPU calls are counted or compiled. The
+    compiled run has gradients off. ``variant``: what the arguments' guards differ by between
+    calls besides shapes (a dtype, inference tensors or not): each variant is compiled apart,
+    so that a process mixing them does not exhaust torch.compile's recompilation limit."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if tensors[0].device.type != "cpu":
         return fn(*args)
@@ -95,16 +104,18 @@ def call(name: str, fn: Callable, *args, rows: int):
     if not ENABLED or _off.get() or needs_grad:
         paths.record(f"cpu.eager.{name}", rows)
         return fn(*args)
-    if name in _failed:
+    key = name + "".join(f"[{v}]" for v in variant)
+    if key in _failed:
         paths.record(f"cpu.compile_failed.{name}", rows)
         return fn(*args)
     try:
-        out = _compiled_fn(name, fn)(*args)
+        with torch.no_grad():
+            out = _compiled_fn(key, fn)(*args)
     except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)
         out = fn(*args)  # (an error of the function itself raises here, as it would eagerly)
         with _lock:
-            _failed[name] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"specsample: torch.compile of {name!r} failed, so it runs eagerly "
+            _failed[key] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"specsample: torch.compile of {key!r} failed, so it runs eagerly "
                       f"(slower; path cpu.compile_failed.{name}): {type(exc).__name__}: "
                       f"{str(exc)[:300]}", RuntimeWarning, stacklevel=2)
         paths.record(f"cpu.compile_failed.{name}", rows)

@@ -112,14 +112,17 @@ class Plan:
         return self.draft_j < self.k_eff[self.draft_req]
 
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, token) pairs: each live draft j' counted at rows j' + 1 .. k_eff of its request."""
+        """(row, token) pairs: each live draft j' counted at rows j' + 1 .. k_eff of its request.
+        Ids outside [0, V) are left out (their request is invalid: ERR_DRAFT_ID)."""
         if self.draft_token_ids.numel() == 0:
             empty = self.draft_token_ids.new_empty(0)
             return empty, empty
         kmax = self.max_k
         dj = self.draft_j[:, None]
         later = dj + 1 + torch.arange(kmax, device=dj.device)[None, :]  # [S, K] row js
-        ok = self.draft_live[:, None] & (later <= self.k_eff[self.draft_req][:, None])
+        d = self.draft_token_ids
+        ok = (self.draft_live & (d >= 0) & (d < self.vocab_size))[:, None] & (
+            later <= self.k_eff[self.draft_req][:, None])
         rows = (self.row_start[self.draft_req][:, None] + later)[ok]
         toks = self.draft_token_ids[:, None].expand_as(later)[ok]
         return rows, toks

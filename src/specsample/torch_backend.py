@@ -158,7 +158,9 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
     at every level. ``z``: [R, V] float32 (-inf allowed); ``tile_lse``: [R, NT] or None
     (computed); keys [R] int64. Returns [R] int64; a row of all -inf returns an id of tile 0.
     On the CPU the draw runs compiled (``specsample.cpu_compile``, path
-    ``cpu.compiled.draw``): the same integer noise and float64 keys as the eager run.
+    ``cpu.compiled.draw``): the same Philox words as the eager run (the float64 keys may
+    differ from the eager run's by rounding). The CPU path's target rows are drawn by
+    :func:`sample_processed` instead; this draws residual distributions and drafters' rows.
     """
     if tile_lse is None:
         tile_lse = tile_logsumexp(z)
@@ -167,21 +169,29 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
 
 
 def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int,
-               tile_stream: int) -> torch.Tensor:
-    """``fn(x, *per_row, streams)`` through ``cpu_compile.call`` for the R rows of ``x``
-    [R, V] (``per_row``: tensors whose first dimension is R; ``streams``: the token, tile and
-    sub-tile streams). On the CPU the streams go as a tensor (torch.compile would specialise
-    their values), and one row goes twice: compiled shapes are dynamic except for sizes of 1.
-    Returns ``fn``'s [R] result."""
+               tile_stream: int, *flags: bool) -> torch.Tensor:
+    """``fn(x, *per_row, streams, *flags)`` through ``cpu_compile.call`` for the R rows of
+    ``x`` [R, V] (``per_row``: tensors whose first dimension is R; ``streams``: the token, tile
+    and sub-tile streams; ``flags``: bools, each value compiled apart). On the CPU the streams
+    go as a tensor (torch.compile would specialise their values), and one row goes twice:
+    compiled shapes are dynamic except for sizes of 1. Returns ``fn``'s [R] result."""
     r = x.shape[0]
     streams = (token_stream, tile_stream, rng.sub_stream(tile_stream))
-    if x.device.type == "cpu":
+    if x.device.type != "cpu":
+        return cpu_compile.call(name, fn, x, *per_row, streams, *flags, rows=r)
+    # torch.compile guards on each tensor's kind (inference tensor or not): the small
+    # tensors are made normal ones, the logits' kind and dtype name a compiled variant
+    with torch.inference_mode(False):
         streams = torch.tensor(streams, dtype=torch.int64)
         if r == 1:
             x, *per_row = (t.repeat(2, *[1] * (t.dim() - 1)) for t in (x, *per_row))
+        per_row = [t.clone() if t.is_inference() else t for t in per_row]
         # (contiguous, and without a _base: torch.compile would guard on the base's shape)
         x, *per_row = (t.contiguous().detach() for t in (x, *per_row))
-    return cpu_compile.call(name, fn, x, *per_row, streams, rows=r)[:r]
+    variant = (str(x.dtype).removeprefix("torch."), "inference" if x.is_inference() else "",
+               *(f"flag{i}" for i, f in enumerate(flags) if f))
+    return cpu_compile.call(name, fn, x, *per_row, streams, *flags, rows=r,
+                            variant=tuple(v for v in variant if v))[:r]
 
 
 def _draw(z: torch.Tensor, tile_lse: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
@@ -222,29 +232,37 @@ def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_h
 
 
 def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
-                    cut: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                    pos: torch.Tensor, streams) -> torch.Tensor:
+                    cut_v: torch.Tensor, cut_i: torch.Tensor, seed_lo: torch.Tensor,
+                    seed_hi: torch.Tensor, pos: torch.Tensor, streams, ties: bool
+                    ) -> torch.Tensor:
     """[R] int64: the draw of :func:`tiled_gumbel_argmax` from the processed logits of each
     row, made on the fly from ``x`` [R, V] (the rows after bans, bias and penalties:
     ``processing.row_inputs``), their maxima ``row_max`` [R] (non-finite: 0, as
     ``processing.process_rows``), the temperature (T = 0: divide by 1; the caller takes those
-    rows' argmax) and a threshold filter cut (keep x >= ``cut`` [R]; -inf keeps everything):
-    ``z = (x - max) / T`` or -inf, then the tiles' log-sum-exp, then the draw. Compiled
+    rows' argmax) and the filter cut (``processing.filter_cut``: keep ``x[j] > cut_v``, or
+    ``== cut_v`` with ``j <= cut_i``; (-inf, V) keeps everything): ``z = (x - max) / T`` or
+    -inf, then the tiles' log-sum-exp, then the draw. Without ``ties`` every ``cut_i`` must
+    be V (a threshold: keep ``x >= cut_v``, one comparison per token). Compiled
     (``cpu_compile``): the rows are read once and z' is never stored."""
     r, v = x.shape
     m = torch.where(torch.isfinite(row_max), row_max, 0.0).float()[:, None]
     t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    # (ids compared as float32, exact below 2**24: a float comparison per token costs a
+    # fraction of an int64 one in the vectorised loop)
+    cv, ci = cut_v[:, None], cut_i.float()[:, None]
 
-    def processed(xv: torch.Tensor) -> torch.Tensor:
+    def processed(xv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         xv = xv.float()
-        return torch.where(xv >= cut[:, None], (xv - m) / t, -math.inf)
+        keep = (xv > cv) | ((xv == cv) & (ids <= ci)) if ties else xv >= cv
+        return torch.where(keep, (xv - m) / t, -math.inf)
 
-    tile_lse = tile_logsumexp(processed(x))
+    ids = torch.arange(v, device=x.device, dtype=torch.float32)[None, :]
+    tile_lse = tile_logsumexp(processed(x, ids))
     flat, base = x.reshape(-1), torch.arange(r, device=x.device)[:, None] * v
 
     def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids, computed alike)
-        return torch.where(tok < v, processed(flat.take(base + tok.clamp_max(v - 1))),
-                           -math.inf)
+        z = processed(flat.take(base + tok.clamp_max(v - 1)), tok.float())
+        return torch.where(tok < v, z, -math.inf)
 
     return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
 
@@ -554,8 +572,15 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     argmax_only = not batch.any_sampled and batch.max_logprobs < 0
     req = plan.row_req
     z = tile_lse = lse = None
-    if not argmax_only and _tokens_only(plan) and cpu_compile.active(plan.logits):
-        plan, y, err = _compiled_tokens(plan)
+    if not argmax_only and plan.logits.device.type == "cpu":
+        # (every sampled CPU token comes from sample_processed, whatever else the call needs,
+        # so a request's tokens never depend on the other requests' options)
+        plan, inputs, err = _cpu_row_inputs(plan)
+        y = sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
+                             batch.seed_hi[req], plan.row_pos)
+        if batch.max_logprobs >= 0 or plan.has_draft_dist:  # (z' itself is needed)
+            z = process_rows(plan, inputs=inputs)
+            tile_lse, lse = processed_tile_logsumexp(z)
     else:
         plan, z, err = processed_logits(plan, argmax_only=argmax_only)
         if not argmax_only:
@@ -580,40 +605,53 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         logprob_token_ids=logprob_ids, invalid=invalid), err
 
 
-def _tokens_only(plan: Plan) -> bool:
-    """True when a verification needs only each row's token (no logprobs, one-hot drafts):
-    no processed logits need to be kept."""
-    return plan.batch.max_logprobs < 0 and not plan.has_draft_dist
-
-
-def _compiled_tokens(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
-    """(the cleaned plan, [T] token of every row, [N] ERR_* bitmask) for a verification that
-    needs only the rows' tokens: :func:`processed_logits`' validation, then the compiled
-    :func:`_processed_rows` (each sampled row's draw from z', made on the fly), and the
-    argmax of the processed rows where T = 0. A filter cut that splits a tie group (not a
-    threshold) takes the eager processing, and the compiled draw."""
+def _cpu_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor]:
+    """(the cleaned plan, ``processing.row_inputs`` of its rows, [N] ERR_* bitmask): the
+    validation of :func:`processed_logits` without building z' (ERR_PROCESSED_OVERFLOW from
+    the rows' maxima: z' has a non-finite maximum exactly when they do)."""
     batch = plan.batch
     req = plan.row_req
     plan, row_max, err = clean_rows(plan)
-    x, m, cut = row_inputs(plan, row_max=row_max)
-    if batch.needs_bias or batch.needs_penalties:  # (as processed_logits: z' max not finite)
+    inputs = row_inputs(plan, row_max=row_max)
+    if batch.needs_bias or batch.needs_penalties:
         live = plan.row_live & (err == 0)[req]
-        err |= _or_per_request(~torch.isfinite(m) & live, req, plan.num_requests,
+        err |= _or_per_request(~torch.isfinite(inputs[1]) & live, req, plan.num_requests,
                                ERR_PROCESSED_OVERFLOW)
-    if cut is not None and not bool((cut[1] >= plan.vocab_size).all()):
-        # (a filter boundary splits a tie group, rare: z' from the eager processing)
-        z = process_rows(plan, inputs=(x, m, cut))
-        tile_lse, _ = processed_tile_logsumexp(z)
-        return plan, sample_rows(z, tile_lse, (batch.temperature == 0)[req], batch.seed_lo[req],
-                                 batch.seed_hi[req], plan.row_pos), err
-    cut_v = torch.full_like(m, -math.inf) if cut is None else cut[0]
-    y = _call_rows("processed_rows", _processed_rows, x, (
-        m, batch.temperature[req], cut_v, batch.seed_lo[req], batch.seed_hi[req],
-        plan.row_pos), rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE)
-    if batch.any_greedy:  # (argmax z' = argmax of the rows before temperature where T = 0)
-        idx = (batch.temperature == 0)[req].nonzero().squeeze(1)
+    return plan, inputs, err
+
+
+def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
+                     temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                     pos: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each row's token from its processed inputs (``processing.row_inputs``: the
+    rows ``x`` after bans, bias and penalties, their maxima ``m``, the filter ``cut`` or
+    None): the first argmax of ``x`` where ``temperature`` [R] is 0, else the draw of
+    :func:`_processed_rows` (three-level Gumbel-max of z' made on the fly; compiled on the
+    CPU). The CPU path draws every sampled row with this one function."""
+    v = x.shape[1]
+    ties = None
+    if cut is None:
+        cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
+    else:
+        ties = cut[1] < v
+    per_row = (m, temperature, *cut, seed_lo, seed_hi, pos)
+    # A row whose cut splits a group of tied values takes the function with the id rule, any
+    # other row the threshold one: the choice depends on the row alone, never on its batch.
+    if ties is None or not bool(ties.any()) or bool(ties.all()):
+        y = _call_rows("processed_rows", _processed_rows, x, per_row, rng.STREAM_SAMPLE,
+                       rng.STREAM_SAMPLE_TILE, ties is not None and bool(ties.any()))
+    else:
+        y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        for flag in (False, True):
+            idx = (ties == flag).nonzero().squeeze(1)
+            y[idx] = _call_rows("processed_rows", _processed_rows, x[idx],
+                                tuple(t[idx] for t in per_row), rng.STREAM_SAMPLE,
+                                rng.STREAM_SAMPLE_TILE, flag)
+    greedy = temperature == 0
+    if bool(greedy.any()):  # (argmax z' = argmax of the rows before temperature where T = 0)
+        idx = greedy.nonzero().squeeze(1)
         y[idx] = first_argmax(x[idx].float())
-    return plan, y, err
+    return y
 
 
 def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
@@ -652,7 +690,7 @@ def _verify_drafts(plan: Plan, z: torch.Tensor, lse: torch.Tensor | None, y: tor
     k_eff = plan.k_eff
     y_grid = y[rows]
     sampled_dist = ~greedy_req
-    accept = d == y_grid[:, :k]  # sample-and-match (one-hot) and greedy verification
+    accept = d == y_grid[:, :k]  # (greedy requests: verification against the argmax)
     emit = y_grid
     if bool(sampled_dist.any()):
         if plan.method == "block":

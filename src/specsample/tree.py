@@ -55,7 +55,7 @@ from .errors import SamplingError
 from .outputs import TreeVerifyOutput
 from .params import SamplingBatch
 from .plan import Plan, _check_float_matrix, _num_draft_tuple, _positions
-from .processing import _allowed_rows, outputs_before_row, process_rows
+from .processing import _allowed_rows, outputs_before_row, process_rows, row_inputs
 from .torch_backend import _or_per_request
 
 __all__ = ["TreeLayout", "TreePlan", "build_tree_layout", "clear_layout_cache", "verify_tree"]
@@ -390,9 +390,10 @@ def _tree_errors(plan: TreePlan, draft_probs: torch.Tensor | None, row_max: torc
     return err
 
 
-def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
+def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor, tuple]:
     """(the plan with invalid requests' rows sanitised, processed logits z' [R, V] float32,
-    [N] int64 ERR_* bitmask): ``torch_backend.processed_logits`` for tree rows."""
+    [N] int64 ERR_* bitmask, what z' is made of: ``processing.row_inputs``):
+    ``torch_backend.processed_logits`` for tree rows."""
     batch, n = plan.batch, plan.num_requests
     row_max = plan.logits.amax(dim=-1)
     err = _tree_errors(plan, plan.draft_probs, row_max)
@@ -410,12 +411,13 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
         proc_plan = dataclasses.replace(plan, logits=y,
                                         batch=dataclasses.replace(batch, needs_bans=False))
         row_max = None
-    z = process_rows(proc_plan, row_max=row_max)
+    inputs = row_inputs(proc_plan, row_max=row_max)
+    z = process_rows(proc_plan, inputs=inputs)
     if batch.needs_bias or batch.needs_penalties:
         live = ~(err != 0)[plan.row_req]
         err |= _or_per_request(~torch.isfinite(z.amax(-1)) & live, plan.row_req, n,
                                torch_backend.ERR_PROCESSED_OVERFLOW)
-    return plan, z, err
+    return plan, z, err, inputs
 
 
 def _draft_rows(draft_probs: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -526,14 +528,18 @@ def _run_tree(plan: TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     """Verify every request's tree (module docstring; ``plan.draft_probs`` or None) on the
     PyTorch backend; returns the output and the [N] ERR_* bitmask."""
     batch, tree = plan.batch, plan.tree
-    plan, z, err = _processed(plan)
+    plan, z, err, inputs = _processed(plan)
     invalid = err != 0
     tile_lse, lse = torch_backend.processed_tile_logsumexp(z)
     req = tree.row_req
     greedy_req = batch.temperature == 0
     pos = plan.positions[req] + tree.row_depth
-    y = torch_backend.sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req],
-                                  batch.seed_hi[req], pos)
+    if z.device.type == "cpu":  # (the CPU path's one draw: as sample() and verify() draw)
+        y = torch_backend.sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
+                                           batch.seed_hi[req], pos)
+    else:
+        y = torch_backend.sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req],
+                                      batch.seed_hi[req], pos)
     final, emit = walk(plan, y, invalid, lambda r: z[r] - lse[r, None])
     processed = None
     if batch.max_logprobs >= 0:

@@ -658,6 +658,20 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
         # without the interpreter), which has no kernel of its own
         if select_backend(device) == "triton":
             layout.warm(device)
+        else:  # the PyTorch backend compiles a variant per logits dtype and tensor kind
+            # (specsample.cpu_compile): an engine decoding under inference_mode passes
+            # inference tensors
+            with torch.inference_mode():
+                batch = SamplingBatch.from_params(params, vocab_size=vocab_size, device=device)
+                for dtype in dtypes:
+                    rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
+                    drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
+                                           device=device)
+                    probs = torch.softmax(torch.randn(3, dv, generator=gen, device=device), -1)
+                    verify(rows, drafts, k, batch, positions=pos, strict=False)
+                    verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
+                           strict=False)
+                    calls += 2
         return calls
 
     def every_kind() -> int:

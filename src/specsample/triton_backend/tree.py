@@ -177,7 +177,7 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     filtered = batch.needs_filter and not general
     if general:
         # PyTorch processing (float32 copy, invalid requests' rows sanitised), its error bits.
-        plan, x, err = tree_mod._processed(plan)
+        plan, x, err, _ = tree_mod._processed(plan)
         temp = torch.ones_like(batch.temperature)
     else:
         x = _contiguous_rows(plan.logits, "target")
