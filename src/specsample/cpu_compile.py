@@ -14,14 +14,16 @@ requests share its batch.
 
 :func:`call` runs a function compiled when its tensors are on the CPU, with gradients off
 (the torch backend passes detached tensors: its compiled functions return token ids). The
-first call of a variant compiles it: about 15-25 s on a 2-core machine with an empty cache,
-3-4 s in a later process (Inductor keeps its output on disk); ``specsample.warmup(
+first call of a variant compiles it: 20-45 s on a 2-core machine with an empty cache, 2-4 s
+in a later process (Inductor keeps its output on disk); ``specsample.warmup(
 device="cpu", vocab_size=V)`` and the engine's warm-up call take that cost out of the
 timings. Shapes are dynamic: one compilation serves every batch size, and a vocabulary
 falls in one of a few classes (below one tile of 2,048, a multiple of it, or neither). A
 variant is a logits dtype together with the kind of tensor (inference tensors, made under
-``torch.inference_mode``, or not); each variant has its own compiled function, so a process
-that mixes them does not run into torch.compile's limit of 8 recompilations per function.
+``torch.inference_mode``, or not) and the caller's flags (the torch backend's: whether the
+rows' filter cuts split tie groups); each variant has its own compiled function, so a
+process that mixes them does not run into torch.compile's limit of 8 recompilations per
+function. Each costs 20-45 s on an empty Inductor cache on 2 cores.
 A tensor dimension of size 1 would be specialised by ``torch.compile``: callers pad those.
 
 Paths (``specsample.paths``), counted per call with the rows it handled:
