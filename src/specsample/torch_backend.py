@@ -198,13 +198,20 @@ def _draw(z: torch.Tensor, tile_lse: torch.Tensor, seed_lo: torch.Tensor, seed_h
           pos: torch.Tensor, streams) -> torch.Tensor:
     """:func:`tiled_gumbel_argmax` with ``streams`` = (token, tile, sub-tile stream): ints, or
     a [3] int64 tensor (one function for the compiled and the eager run)."""
-    r, v = z.shape
-    flat, base = z.reshape(-1), torch.arange(r, device=z.device)[:, None] * v
+    read = _row_reader(z)
 
     def values(tok: torch.Tensor) -> torch.Tensor:
-        return torch.where(tok < v, flat.take(base + tok.clamp_max(v - 1)), -math.inf)
+        return torch.where(tok < z.shape[1], read(tok), -math.inf)
 
     return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
+
+
+def _row_reader(x: torch.Tensor):
+    """``read(tok)``: the entries of the rows of ``x`` [R, V] at ids ``tok`` [R, W] (ids past
+    V read the last entry; callers mask them), one gather over the flattened rows."""
+    r, v = x.shape
+    flat, base = x.reshape(-1), torch.arange(r, device=x.device)[:, None] * v
+    return lambda tok: flat.take(base + tok.clamp_max(v - 1))
 
 
 def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
@@ -244,7 +251,7 @@ def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.T
     -inf, then the tiles' log-sum-exp, then the draw. Without ``ties`` every ``cut_i`` must
     be V (a threshold: keep ``x >= cut_v``, one comparison per token). Compiled
     (``cpu_compile``): the rows are read once and z' is never stored."""
-    r, v = x.shape
+    v = x.shape[1]
     m = torch.where(torch.isfinite(row_max), row_max, 0.0).float()[:, None]
     t = torch.where(temperature > 0, temperature, 1.0)[:, None]
     # (ids compared as float32, exact below 2**24: a float comparison per token costs a
@@ -258,11 +265,10 @@ def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.T
 
     ids = torch.arange(v, device=x.device, dtype=torch.float32)[None, :]
     tile_lse = tile_logsumexp(processed(x, ids))
-    flat, base = x.reshape(-1), torch.arange(r, device=x.device)[:, None] * v
+    read = _row_reader(x)
 
     def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids, computed alike)
-        z = processed(flat.take(base + tok.clamp_max(v - 1)), tok.float())
-        return torch.where(tok < v, z, -math.inf)
+        return torch.where(tok < v, processed(read(tok), tok.float()), -math.inf)
 
     return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
 
@@ -479,20 +485,11 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
     ``y - max`` is 0 exactly where ``y`` is the max, and monotone).
     """
     batch = plan.batch
-    n = plan.num_requests
-    plan, row_max, err = clean_rows(plan)
-    invalid = err != 0
     if argmax_only and not (batch.needs_bans or batch.needs_bias or batch.needs_penalties):
+        plan, _, err = clean_rows(plan)
         return plan, plan.logits, err
-    z = process_rows(plan, row_max=row_max)
-    if batch.needs_bias or batch.needs_penalties:
-        # Bias and penalties can overflow finite logits (x + bias, x / r): flag a live row whose
-        # processed logits hold NaN / +inf or nothing finite, as the Triton general path does.
-        zmax = z.amax(dim=-1)
-        live = plan.row_live & ~invalid[plan.row_req]
-        err |= _or_per_request(~torch.isfinite(zmax) & live, plan.row_req, n,
-                               ERR_PROCESSED_OVERFLOW)
-    return plan, z, err
+    plan, inputs, err = checked_row_inputs(plan)
+    return plan, process_rows(plan, inputs=inputs), err
 
 
 def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
@@ -575,7 +572,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     if not argmax_only and plan.logits.device.type == "cpu":
         # (every sampled CPU token comes from sample_processed, whatever else the call needs,
         # so a request's tokens never depend on the other requests' options)
-        plan, inputs, err = _cpu_row_inputs(plan)
+        plan, inputs, err = checked_row_inputs(plan)
         y = sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
                              batch.seed_hi[req], plan.row_pos)
         if batch.max_logprobs >= 0 or plan.has_draft_dist:  # (z' itself is needed)
@@ -605,10 +602,12 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         logprob_token_ids=logprob_ids, invalid=invalid), err
 
 
-def _cpu_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor]:
+def checked_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor]:
     """(the cleaned plan, ``processing.row_inputs`` of its rows, [N] ERR_* bitmask): the
-    validation of :func:`processed_logits` without building z' (ERR_PROCESSED_OVERFLOW from
-    the rows' maxima: z' has a non-finite maximum exactly when they do)."""
+    validation of :func:`processed_logits` without building z'. Bias and penalties can
+    overflow finite logits (x + bias, x / r): a live row whose processed rows hold NaN / +inf
+    or nothing finite sets ERR_PROCESSED_OVERFLOW, as the Triton general path does; it is
+    read from the rows' maxima (z' has a non-finite maximum exactly when they do)."""
     batch = plan.batch
     req = plan.row_req
     plan, row_max, err = clean_rows(plan)
@@ -629,17 +628,18 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     :func:`_processed_rows` (three-level Gumbel-max of z' made on the fly; compiled on the
     CPU). The CPU path draws every sampled row with this one function."""
     v = x.shape[1]
-    ties = None
     if cut is None:
         cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
+        ties, any_ties = None, False
     else:
         ties = cut[1] < v
+        any_ties = bool(ties.any())
     per_row = (m, temperature, *cut, seed_lo, seed_hi, pos)
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
-    if ties is None or not bool(ties.any()) or bool(ties.all()):
+    if not any_ties or bool(ties.all()):
         y = _call_rows("processed_rows", _processed_rows, x, per_row, rng.STREAM_SAMPLE,
-                       rng.STREAM_SAMPLE_TILE, ties is not None and bool(ties.any()))
+                       rng.STREAM_SAMPLE_TILE, any_ties)
     else:
         y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
         for flag in (False, True):

@@ -415,7 +415,8 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor, tu
     z = process_rows(proc_plan, inputs=inputs)
     if batch.needs_bias or batch.needs_penalties:
         live = ~(err != 0)[plan.row_req]
-        err |= _or_per_request(~torch.isfinite(z.amax(-1)) & live, plan.row_req, n,
+        # (the rows' maxima: z' has a non-finite maximum exactly when they do)
+        err |= _or_per_request(~torch.isfinite(inputs[1]) & live, plan.row_req, n,
                                torch_backend.ERR_PROCESSED_OVERFLOW)
     return plan, z, err, inputs
 
