@@ -96,17 +96,17 @@ class Plan:
     def has_draft_dist(self) -> bool:
         return self.draft_logits is not None or self.draft_probs is not None
 
-    @property
+    @functools.cached_property
     def row_pos(self) -> torch.Tensor:
         """[T] int64 absolute position of every row."""
         return self.positions[self.row_req] + self.row_j
 
-    @property
+    @functools.cached_property
     def row_live(self) -> torch.Tensor:
         """[T] bool: the row is read (j <= k_eff of its request)."""
         return self.row_j <= self.k_eff[self.row_req]
 
-    @property
+    @functools.cached_property
     def draft_live(self) -> torch.Tensor:
         """[S] bool: the draft is read (before the request's first placeholder)."""
         return self.draft_j < self.k_eff[self.draft_req]

@@ -164,8 +164,8 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
     """
     if tile_lse is None:
         tile_lse = tile_logsumexp(z)
-    return _call_rows("draw", _draw, z, (tile_lse, seed_lo, seed_hi, pos), token_stream,
-                      tile_stream)
+    return _call_rows("draw", _draw, z, (tile_lse, torch.stack([seed_lo, seed_hi, pos], 1)),
+                      token_stream, tile_stream)
 
 
 def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int,
@@ -184,7 +184,7 @@ def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int
     with torch.inference_mode(False):
         streams = torch.tensor(streams, dtype=torch.int64)
         if r == 1:
-            x, *per_row = (t.repeat(2, *[1] * (t.dim() - 1)) for t in (x, *per_row))
+            x, *per_row = (torch.cat([t, t]) for t in (x, *per_row))  # (cat: a fraction of repeat)
         per_row = [t.clone() if t.is_inference() else t for t in per_row]
         # (contiguous, and without a _base: torch.compile would guard on the base's shape)
         x, *per_row = (t.contiguous().detach() for t in (x, *per_row))
@@ -194,16 +194,16 @@ def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int
                             variant=tuple(v for v in variant if v))[:r]
 
 
-def _draw(z: torch.Tensor, tile_lse: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-          pos: torch.Tensor, streams) -> torch.Tensor:
-    """:func:`tiled_gumbel_argmax` with ``streams`` = (token, tile, sub-tile stream): ints, or
-    a [3] int64 tensor (one function for the compiled and the eager run)."""
+def _draw(z: torch.Tensor, tile_lse: torch.Tensor, keys: torch.Tensor, streams) -> torch.Tensor:
+    """:func:`tiled_gumbel_argmax` with ``keys`` [R, 3] int64 = (seed_lo, seed_hi, pos) and
+    ``streams`` = (token, tile, sub-tile stream): ints, or a [3] int64 tensor (one function
+    for the compiled and the eager run)."""
     read = _row_reader(z)
 
     def values(tok: torch.Tensor) -> torch.Tensor:
         return torch.where(tok < z.shape[1], read(tok), -math.inf)
 
-    return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
+    return _gumbel_levels(tile_lse, values, keys, streams)
 
 
 def _row_reader(x: torch.Tensor):
@@ -214,12 +214,12 @@ def _row_reader(x: torch.Tensor):
     return lambda tok: flat.take(base + tok.clamp_max(v - 1))
 
 
-def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                   pos: torch.Tensor, streams) -> torch.Tensor:
+def _gumbel_levels(tile_lse: torch.Tensor, values, keys: torch.Tensor, streams) -> torch.Tensor:
     """The three Gumbel-max levels of :func:`tiled_gumbel_argmax`: ``tile_lse`` [R, NT]
-    float32, ``values(tok)`` the rows' float32 values at ids ``tok`` [R, TILE] (-inf past V)."""
+    float32, ``values(tok)`` the rows' float32 values at ids ``tok`` [R, TILE] (-inf past V),
+    ``keys`` [R, 3] int64 (seed_lo, seed_hi, pos)."""
     dev = tile_lse.device
-    seed_lo, seed_hi, pos = seed_lo[:, None], seed_hi[:, None], pos[:, None]
+    seed_lo, seed_hi, pos = keys[:, 0:1], keys[:, 1:2], keys[:, 2:3]
     t = torch.arange(tile_lse.shape[1], device=dev)
     tile_keys = tile_lse.double() + rng.gumbel(seed_lo, seed_hi, pos, t[None, :], streams[1])
     best_tile = tile_keys.argmax(dim=-1)
@@ -238,25 +238,26 @@ def _gumbel_levels(tile_lse: torch.Tensor, values, seed_lo: torch.Tensor, seed_h
     return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
-                    cut_v: torch.Tensor, cut_i: torch.Tensor, seed_lo: torch.Tensor,
-                    seed_hi: torch.Tensor, pos: torch.Tensor, streams, ties: bool
-                    ) -> torch.Tensor:
+def _processed_rows(x: torch.Tensor, row_f: torch.Tensor, row_i: torch.Tensor, streams,
+                    ties: bool) -> torch.Tensor:
     """[R] int64: the draw of :func:`tiled_gumbel_argmax` from the processed logits of each
     row, made on the fly from ``x`` [R, V] (the rows after bans, bias and penalties:
-    ``processing.row_inputs``), their maxima ``row_max`` [R] (non-finite: 0, as
-    ``processing.process_rows``), the temperature (T = 0: divide by 1; the caller takes those
-    rows' argmax) and the filter cut (``processing.filter_cut``: keep ``x[j] > cut_v``, or
-    ``== cut_v`` with ``j <= cut_i``; (-inf, V) keeps everything): ``z = (x - max) / T`` or
+    ``processing.row_inputs``) and per row (two tensors, so that a call has few arguments to
+    copy and guard): ``row_f`` [R, 3] float32 = (maximum of the row (non-finite: 0, as
+    ``processing.process_rows``), temperature (T = 0: divide by 1; the caller takes those
+    rows' argmax), cut_v), ``row_i`` [R, 4] int64 = (cut_i, seed_lo, seed_hi, pos). The filter
+    cut (``processing.filter_cut``) keeps ``x[j] > cut_v``, or ``== cut_v`` with
+    ``j <= cut_i``; (-inf, V) keeps everything: ``z = (x - max) / T`` or
     -inf, then the tiles' log-sum-exp, then the draw. Without ``ties`` every ``cut_i`` must
     be V (a threshold: keep ``x >= cut_v``, one comparison per token). Compiled
     (``cpu_compile``): the rows are read once and z' is never stored."""
     v = x.shape[1]
-    m = torch.where(torch.isfinite(row_max), row_max, 0.0).float()[:, None]
-    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    row_max, temperature = row_f[:, 0:1], row_f[:, 1:2]
+    m = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    t = torch.where(temperature > 0, temperature, 1.0)
     # (ids compared as float32, exact below 2**24: a float comparison per token costs a
     # fraction of an int64 one in the vectorised loop)
-    cv, ci = cut_v[:, None], cut_i.float()[:, None]
+    cv, ci = row_f[:, 2:3], row_i[:, 0:1].float()
 
     def processed(xv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         xv = xv.float()
@@ -270,7 +271,7 @@ def _processed_rows(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.T
     def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids, computed alike)
         return torch.where(tok < v, processed(read(tok), tok.float()), -math.inf)
 
-    return _gumbel_levels(tile_lse, values, seed_lo, seed_hi, pos, streams)
+    return _gumbel_levels(tile_lse, values, row_i[:, 1:], streams)
 
 
 def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
@@ -634,7 +635,8 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     else:
         ties = cut[1] < v
         any_ties = bool(ties.any())
-    per_row = (m, temperature, *cut, seed_lo, seed_hi, pos)
+    per_row = (torch.stack([m.float(), temperature.float(), cut[0].float()], 1),
+               torch.stack([cut[1], seed_lo, seed_hi, pos], 1))
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
     if not any_ties or bool(ties.all()):
