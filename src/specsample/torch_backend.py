@@ -194,8 +194,9 @@ def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int
                             variant=tuple(v for v in variant if v))[:r]
 
 
-def _draw(z: torch.Tensor, tile_lse: torch.Tensor, keys: torch.Tensor, streams) -> torch.Tensor:
-    """:func:`tiled_gumbel_argmax` with ``keys`` [R, 3] int64 = (seed_lo, seed_hi, pos) and
+def _draw(z: torch.Tensor, tile_lse: torch.Tensor, rng_keys: torch.Tensor, streams
+          ) -> torch.Tensor:
+    """:func:`tiled_gumbel_argmax` with ``rng_keys`` [R, 3] int64 = (seed_lo, seed_hi, pos) and
     ``streams`` = (token, tile, sub-tile stream): ints, or a [3] int64 tensor (one function
     for the compiled and the eager run)."""
     read = _row_reader(z)
@@ -203,7 +204,7 @@ def _draw(z: torch.Tensor, tile_lse: torch.Tensor, keys: torch.Tensor, streams) 
     def values(tok: torch.Tensor) -> torch.Tensor:
         return torch.where(tok < z.shape[1], read(tok), -math.inf)
 
-    return _gumbel_levels(tile_lse, values, keys, streams)
+    return _gumbel_levels(tile_lse, values, rng_keys, streams)
 
 
 def _row_reader(x: torch.Tensor):
@@ -214,12 +215,13 @@ def _row_reader(x: torch.Tensor):
     return lambda tok: flat.take(base + tok.clamp_max(v - 1))
 
 
-def _gumbel_levels(tile_lse: torch.Tensor, values, keys: torch.Tensor, streams) -> torch.Tensor:
+def _gumbel_levels(tile_lse: torch.Tensor, values, rng_keys: torch.Tensor, streams
+                   ) -> torch.Tensor:
     """The three Gumbel-max levels of :func:`tiled_gumbel_argmax`: ``tile_lse`` [R, NT]
     float32, ``values(tok)`` the rows' float32 values at ids ``tok`` [R, TILE] (-inf past V),
-    ``keys`` [R, 3] int64 (seed_lo, seed_hi, pos)."""
+    ``rng_keys`` [R, 3] int64 (seed_lo, seed_hi, pos)."""
     dev = tile_lse.device
-    seed_lo, seed_hi, pos = keys[:, 0:1], keys[:, 1:2], keys[:, 2:3]
+    seed_lo, seed_hi, pos = rng_keys[:, 0:1], rng_keys[:, 1:2], rng_keys[:, 2:3]
     t = torch.arange(tile_lse.shape[1], device=dev)
     tile_keys = tile_lse.double() + rng.gumbel(seed_lo, seed_hi, pos, t[None, :], streams[1])
     best_tile = tile_keys.argmax(dim=-1)
