@@ -129,19 +129,39 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     if batch.needs_penalties:
         # Only the penalties some request sets, and repetition only at the tokens it touches
         # (the same float32 operations on those entries; the others are unchanged).
-        counts = _output_counts(plan)
-        seen = counts > 0
         req = plan.row_req
         if any(p.repetition_penalty != 1 for p in batch.params):
-            rows, cols = (seen | batch.prompt_mask[req]).nonzero(as_tuple=True)
-            rep = batch.repetition_penalty[req][rows]
-            vals = z[rows, cols]
+            rows, cols = _repetition_pairs(plan)
+            rep = batch.repetition_penalty[req[rows]]
+            vals = z[rows, cols]  # (a pair listed twice writes the same value twice)
             z[rows, cols] = torch.where(vals > 0, vals / rep, vals * rep)
-        if any(p.frequency_penalty != 0 for p in batch.params):
-            z -= batch.frequency_penalty[req, None] * counts
-        if any(p.presence_penalty != 0 for p in batch.params):
-            z -= batch.presence_penalty[req, None] * seen
+        freq = any(p.frequency_penalty != 0 for p in batch.params)
+        if freq or any(p.presence_penalty != 0 for p in batch.params):
+            counts = _output_counts(plan)
+            if freq:
+                z -= batch.frequency_penalty[req, None] * counts
+            if any(p.presence_penalty != 0 for p in batch.params):
+                z -= batch.presence_penalty[req, None] * (counts > 0)
     return z
+
+
+def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs [P] int64 that repetition_penalty touches, duplicates allowed: the
+    tokens of each request's prompt and outputs at every row of the request, and each live
+    draft at the rows after it (:meth:`Plan.prior_draft_pairs`). Sparse: the [N, V] masks are
+    read once per request, not once per row (reads the pair counts on the host)."""
+    batch, dev = plan.batch, plan.logits.device
+    seen = (batch.output_counts > 0) | batch.prompt_mask  # [N, V]
+    per_req = seen.sum(-1)  # [N]
+    req_tok = seen.nonzero(as_tuple=True)[1]  # [M], by request then id
+    start = per_req.cumsum(0) - per_req  # request i's tokens: req_tok[start[i]:][:per_req[i]]
+    per_row = per_req[plan.row_req]  # [T]
+    rows = torch.repeat_interleave(torch.arange(plan.num_rows, device=dev), per_row)
+    first = per_row.cumsum(0) - per_row  # each row's first pair
+    cols = req_tok[start[plan.row_req][rows] + torch.arange(rows.shape[0], device=dev)
+                   - first[rows]]
+    d_rows, d_toks = plan.prior_draft_pairs()
+    return torch.cat([rows, d_rows]), torch.cat([cols, d_toks])
 
 
 def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
