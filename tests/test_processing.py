@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from specsample import SamplingBatch, SamplingParams, processing
@@ -38,11 +39,13 @@ def _dense_penalties(z: np.ndarray, params, prompts, outputs, drafts, ks) -> np.
     return z
 
 
-def test_penalties_match_a_dense_row_by_row_statement():
-    # repetition from sparse (row, token) pairs, frequency / presence from counts: every
-    # request's prompt and outputs at each of its rows, drafts counted at the rows after
-    # them up to a placeholder, tokens repeated in prompt, outputs and drafts
-    gen = np.random.default_rng(3)
+@pytest.mark.parametrize("others", [False, True])
+def test_penalties_match_a_dense_row_by_row_statement(others):
+    # repetition from sparse (row, token) pairs (alone) or from the dense counts (with
+    # frequency / presence): every request's prompt and outputs at each of its rows, drafts
+    # counted at the rows after them up to a placeholder, tokens repeated in prompt, outputs
+    # and drafts
+    gen = np.random.default_rng(3 + others)
     v = 300
     for _ in range(40):
         n = int(gen.integers(1, 5))
@@ -52,8 +55,8 @@ def test_penalties_match_a_dense_row_by_row_statement():
             params.append(SamplingParams(
                 temperature=1.0, seed=1,
                 repetition_penalty=float(gen.choice([1.0, 0.7, 1.3, 2.0])),
-                frequency_penalty=float(gen.choice([0.0, 0.5, -0.25])),
-                presence_penalty=float(gen.choice([0.0, 0.75]))))
+                frequency_penalty=float(gen.choice([0.0, 0.5, -0.25])) if others else 0.0,
+                presence_penalty=float(gen.choice([0.0, 0.75])) if others else 0.0))
             prompts.append([int(t) for t in gen.integers(0, 20, size=int(gen.integers(0, 6)))])
             outputs.append([int(t) for t in gen.integers(0, 20, size=int(gen.integers(0, 6)))])
         drafts = [int(t) for t in gen.integers(0, 20, size=sum(ks))]

@@ -129,19 +129,22 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     if batch.needs_penalties:
         # Only the penalties some request sets, and repetition only at the tokens it touches
         # (the same float32 operations on those entries; the others are unchanged).
+        # (repetition alone: sparse pairs; with frequency / presence, whose dense per-row
+        # counts are needed anyway, the pairs are their nonzero entries)
         req = plan.row_req
+        freq = any(p.frequency_penalty != 0 for p in batch.params)
+        presence = any(p.presence_penalty != 0 for p in batch.params)
+        counts = _output_counts(plan) if freq or presence else None
         if any(p.repetition_penalty != 1 for p in batch.params):
-            rows, cols = _repetition_pairs(plan)
+            rows, cols = _repetition_pairs(plan) if counts is None else (
+                (counts > 0) | batch.prompt_mask[req]).nonzero(as_tuple=True)
             rep = batch.repetition_penalty[req[rows]]
             vals = z[rows, cols]  # (a pair listed twice writes the same value twice)
             z[rows, cols] = torch.where(vals > 0, vals / rep, vals * rep)
-        freq = any(p.frequency_penalty != 0 for p in batch.params)
-        if freq or any(p.presence_penalty != 0 for p in batch.params):
-            counts = _output_counts(plan)
-            if freq:
-                z -= batch.frequency_penalty[req, None] * counts
-            if any(p.presence_penalty != 0 for p in batch.params):
-                z -= batch.presence_penalty[req, None] * (counts > 0)
+        if freq:
+            z -= batch.frequency_penalty[req, None] * counts
+        if presence:
+            z -= batch.presence_penalty[req, None] * (counts > 0)
     return z
 
 
