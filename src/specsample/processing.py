@@ -128,9 +128,9 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
         z += bias[plan.row_req]
     if batch.needs_penalties:
         # Only the penalties some request sets, and repetition only at the tokens it touches
-        # (the same float32 operations on those entries; the others are unchanged).
-        # (repetition alone: sparse pairs; with frequency / presence, whose dense per-row
-        # counts are needed anyway, the pairs are their nonzero entries)
+        # (the same float32 operations on those entries; the others are unchanged): from
+        # sparse pairs when it is the only penalty, else from the dense per-row counts that
+        # frequency / presence need anyway.
         req = plan.row_req
         freq = any(p.frequency_penalty != 0 for p in batch.params)
         presence = any(p.presence_penalty != 0 for p in batch.params)
