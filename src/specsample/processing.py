@@ -150,21 +150,17 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
 
 def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs [P] int64 that repetition_penalty touches, duplicates allowed: the
-    tokens of each request's prompt and outputs at every row of the request, and each live
-    draft at the rows after it (:meth:`Plan.prior_draft_pairs`). Sparse: the [N, V] masks are
-    read once per request, not once per row (reads the pair counts on the host)."""
-    batch, dev = plan.batch, plan.logits.device
-    seen = (batch.output_counts > 0) | batch.prompt_mask  # [N, V]
-    per_req = seen.sum(-1)  # [N]
-    req_tok = seen.nonzero(as_tuple=True)[1]  # [M], by request then id
-    start = per_req.cumsum(0) - per_req  # request i's tokens: req_tok[start[i]:][:per_req[i]]
-    per_row = per_req[plan.row_req]  # [T]
-    rows = torch.repeat_interleave(torch.arange(plan.num_rows, device=dev), per_row)
-    first = per_row.cumsum(0) - per_row  # each row's first pair
-    cols = req_tok[start[plan.row_req][rows] + torch.arange(rows.shape[0], device=dev)
-                   - first[rows]]
+    tokens of each request's prompt and outputs at every row of the request (rows j <= k_i,
+    as :func:`ban_pairs` lays them out), and each live draft at the rows after it
+    (:meth:`Plan.prior_draft_pairs`). Sparse: the [N, V] masks are read once per request, not
+    once per row."""
+    batch = plan.batch
+    req, tok = ((batch.output_counts > 0) | batch.prompt_mask).nonzero(as_tuple=True)
+    j = torch.arange(plan.max_k + 1, device=plan.logits.device)
+    ok = j <= plan.k_given[req][:, None]  # [M, K + 1]
     d_rows, d_toks = plan.prior_draft_pairs()
-    return torch.cat([rows, d_rows]), torch.cat([cols, d_toks])
+    return (torch.cat([(plan.row_start[req][:, None] + j)[ok], d_rows]),
+            torch.cat([tok[:, None].expand_as(ok)[ok], d_toks]))
 
 
 def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
