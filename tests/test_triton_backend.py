@@ -140,6 +140,34 @@ def test_filtered_path_matches(kind, method):
     assert path == "triton.verify.filtered"
 
 
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+def test_block_masses_only_where_they_can_change_tau(kind):
+    """Block verification sums Z_j only for the draft rows whose h_j can still decide tau
+    (eta_j <= rho_j, and eta_k > rho_k): the others are marked -1 in the ``block.rho``
+    scratch. The same tokens as the torch backend (which sums every Z_j), on a batch where
+    rows are skipped and where some accepted lengths were decided by a summed Z_j (0 < tau <
+    k at T > 0), so skipping a row that mattered would change tokens."""
+    from specsample import workspace
+    n, v = 24, 300
+    ks = [4] * n  # four drafts each: rows with 0 < j < k exist in every request
+    gen = torch.Generator().manual_seed(5)
+    d = torch.randint(0, v, (4 * n,), generator=gen).to(DEVICE)
+    pos = torch.randint(0, 2**33, (n,), generator=gen).to(DEVICE)
+    logits = torch.randn(5 * n, v, generator=gen) * 2
+    q = torch.randn(4 * n, v, generator=gen) * 2 + logits.view(n, 5, v)[:, :4].reshape(-1, v)
+    logits = logits.to(DEVICE)
+    extra = ({"draft_logits": q.to(DEVICE)} if kind == "draft_logits"
+             else {"draft_probs": torch.softmax(q, -1).to(DEVICE)})
+    params = [SamplingParams(temperature=1.0, seed=300 + i) for i in range(n)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
+    out, _ = _compare(logits, d, ks, batch, pos, extra, "block")
+    rho = workspace.scratch("block.rho", (4 * n,), torch.float32, torch.device(DEVICE))
+    rho = rho.cpu().view(n, 4)[:, 1:]  # rows 0 < j < k
+    n_acc = out.num_accepted.cpu()
+    assert (rho < 0).any() and (rho >= 0).any()
+    assert ((n_acc > 0) & (n_acc < 4)).any()
+
+
 def test_filtered_path_serial_search_fallback():
     # Rows with more candidates than the select kernel sorts (flat rows, top_k above the tile
     # count) take the serial search: counted, and the same tokens.

@@ -573,7 +573,9 @@ def _verify_one(rows: list[ProcessedRow], drafts: list[int], qs: list[tuple[np.n
             if j < k:
                 p_row = rows[j].probs
                 q_row, qerr = qs[j]
-                h = _h(float(np.sum(np.maximum(rho_list[j] * p_row - q_row, 0.0))), rho_list[j])
+                # min(): h_j <= rho_j in real numbers; the same rounding in every backend
+                h = min(_h(float(np.sum(np.maximum(rho_list[j] * p_row - q_row, 0.0))),
+                           rho_list[j]), rho_list[j])
             else:
                 h = rho_list[k]
             u = uniform_scalar(seed, pos + j - 1, j, STREAM_BLOCK_ACCEPT)

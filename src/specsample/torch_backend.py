@@ -338,7 +338,9 @@ def _block_tau(plan: Plan, z: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
         nxt = torch.where(rho[:, j] > 0, torch.clamp(rho[:, j] * ratio, max=1.0), 0.0)
         rho[:, j + 1] = torch.where(live, nxt, rho[:, j])
     jj = torch.arange(k + 1, device=z.device)
-    h = torch.where(jj[None, :] == k_eff[:, None], rho, h)
+    # h_j <= rho_j in real numbers (Z_j <= rho_j); min() makes it so in float32 too, so the
+    # Triton path may skip Z_j wherever eta_j > rho_j and take the same tokens.
+    h = torch.where(jj[None, :] == k_eff[:, None], rho, torch.minimum(h, rho))
     ju = jj[1:].expand(n, k)
     u = rng.uniform(batch.seed_lo[:, None], batch.seed_hi[:, None],
                     plan.positions[:, None] + ju - 1, ju, rng.STREAM_BLOCK_ACCEPT)

@@ -456,16 +456,17 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     n_drafts = plan.draft_token_ids.numel()
     if block and k > 1:
         # Block verification's Z_j for every draft row at once: rho_j first (a pass over the
-        # requests' scalars), then the masses in parallel over (draft row, split).
-        rho_row = torch.full((n_drafts,), -1.0, dtype=torch.float32, device=dev)
+        # requests' scalars, which also marks the rows whose Z_j cannot change tau), then the
+        # masses of the other rows in parallel over (draft row, split).
+        rho_row = workspace.scratch("block.rho", (n_drafts,), torch.float32, dev)
         sb, bcps, _ = _splits(n_drafts, plan.vocab_size, 1, dev)
         bmass = workspace.scratch("block.mass", (n_drafts, sb), torch.float32, dev)
         finish(rho_only=True)
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
-            plan.draft_start, plan.draft_req, plan.draft_j, draft, dstride, dv, dpart_m,
-            dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
-            FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+            plan.draft_start, plan.draft_req, plan.draft_j, plan.k_given, draft, dstride, dv,
+            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i,
+            DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     if not finished:
         finish(rho_only=False)
 

@@ -545,9 +545,10 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     bitmask.
 
     Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
-    ratio rho_j (1 <= j < k) to ``rho_row``; ``block_mass_kernel`` then sums every
-    Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) in parallel over (draft row, split) into
-    ``bmass`` [drafts, SB], which the second run reads.
+    ratio rho_j (1 <= j < k) to ``rho_row``, or -1 where Z_j cannot change the accepted
+    length tau = max{j : eta_j <= min(h_j, rho_j)} (eta_j > rho_j, or eta_k <= rho_k);
+    ``block_mass_kernel`` then sums Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) for the others
+    in parallel over (draft row, split) into ``bmass`` [drafts, SB], which the second run reads.
 
     With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1]."""
     i = tl.program_id(0)
@@ -621,7 +622,9 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                 q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS)
                 if BLOCK_METHOD:
                     if RHO_ONLY:
-                        tl.store(rho_row_ptr + dr, rho, mask=j > 0)
+                        # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j)
+                        u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
+                        tl.store(rho_row_ptr + dr, tl.where((j > 0) & (u <= rho), rho, -1.0))
                     elif j > 0:
                         # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
                         so = tl.arange(0, S_MAX)
@@ -630,8 +633,9 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                         denom = mass + (1.0 - rho)
                         h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
                         u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
-                        tau = tl.where(u <= h, j, tau)
-                        rho_tau = tl.where(u <= h, rho, rho_tau)
+                        acc = (u <= h) & (u <= rho)  # min(h_j, rho_j): the same in real numbers
+                        tau = tl.where(acc, j, tau)
+                        rho_tau = tl.where(acc, rho, rho_tau)
                     ratio = tl.where(q_x > 0, p_x / tl.where(q_x > 0, q_x, 1.0),
                                      tl.where(p_x > 0, float("inf"), 0.0))
                     rho = tl.where(rho > 0, tl.minimum(rho * ratio, 1.0), 0.0)
@@ -655,7 +659,15 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
             emit = tl.where((matching != 0) & ~ok, y, emit)
             n_acc += tl.where((matching != 0) & ok, 1, 0)
             matching = tl.where(ok, matching, 0)
-    if not RHO_ONLY:
+    if RHO_ONLY:
+        # Every draft row of the request gets its final rho_row: -1 (block_mass_kernel skips
+        # it) where Z_j cannot change tau: eta_k <= rho_k already gives tau = k, the largest;
+        # rows at or past a placeholder, and requests that do not sample from distributions.
+        tl.debug_barrier()
+        settled = (tau == k) & (k > 0)
+        for j in range(0, tl.load(k_given_ptr + i)):
+            tl.store(rho_row_ptr + dstart + j, -1.0, mask=settled | (j >= k) | (use_dist == 0))
+    else:
         _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
                         rho_tau, y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
                         out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, x_ptr, stride, t,
@@ -779,22 +791,24 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
 
 @triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                      draft_start_ptr, draft_req_ptr, draft_j_ptr, d_ptr, dstride, DV, dpart_m_ptr,
-                      dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT, CPS, cut_v_ptr,
-                      cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                      draft_start_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, d_ptr, dstride,
+                      DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT,
+                      CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                       S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per (draft row, split): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
-    whose rho_j the first finish pass wrote (rho_row >= 0; others get 0). Writes
+    whose Z_j can still change the accepted length (the first finish pass wrote their rho_j;
+    others have rho_row -1 and get 0; rows no request owns are not read). Writes
     bmass [drafts, splits]: every Z_j of the batch at once instead of one request's rows in
     series."""
     dr = tl.program_id(0)
     s = tl.program_id(1)
-    rho = tl.load(rho_row_ptr + dr)
+    i = tl.load(draft_req_ptr + dr)
+    j = tl.load(draft_j_ptr + dr)
+    rho = tl.load(rho_row_ptr + dr, mask=j < tl.load(k_given_ptr + i), other=-1.0)
     total = 0.0
     if rho >= 0:
-        i = tl.load(draft_req_ptr + dr)
-        r = tl.load(row_start_ptr + i) + tl.load(draft_j_ptr + dr)
+        r = tl.load(row_start_ptr + i) + j
         for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
             w, offs = _rejected_tile_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
