@@ -520,7 +520,7 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
     monkeypatch.setattr(triton_backend.layout, "warm", warmed.append)
     monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
     try:
-        triton_backend.warmup("cpu", vocab_size=64, workers=0, on_compile="ignore")
+        triton_backend.warmup(DEVICE, vocab_size=64, workers=0, on_compile="ignore")
     finally:
         triton_backend.disarm_compile_guard()
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
@@ -536,7 +536,7 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
         # of graph capture (triton_backend.one_launch): unfiltered, the general path
         for filt, general in ((False, False), (True, True)):
             assert (dtype, "onehot", None, "token", False, filt, general, False) in seen
-    assert warmed == [torch.device("cpu")]  # the layout kernels (device num_draft_tokens)
+    assert warmed == [torch.device(DEVICE)]  # the layout kernels (device num_draft_tokens)
 
 
 def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):

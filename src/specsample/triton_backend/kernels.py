@@ -126,6 +126,18 @@ def _gumbel(seed_lo, seed_hi, pos, counter, stream: tl.constexpr):
 
 
 @triton.jit
+def _any(cond, bit):
+    """``bit`` (int32) if any lane of ``cond`` is set, else 0."""
+    return tl.where(tl.max(cond.to(tl.int32), axis=0) != 0, bit, 0)
+
+
+@triton.jit
+def _lane(v, lane):
+    """The value of vector ``v`` at ``lane`` (exact: the other lanes add zeros)."""
+    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == lane, v, 0), axis=0)
+
+
+@triton.jit
 def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
     """Drafts of request ``req`` before its first placeholder (-1), else its k_i."""
     kg = tl.load(k_given_ptr + req)
@@ -134,6 +146,21 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
     for j in range(0, kg):
         d = tl.load(draft_ids_ptr + ds + j)
         keff = tl.where((d == -1) & (keff == kg), j, keff)
+    return keff
+
+
+@triton.jit
+def _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
+    """:func:`_k_eff` with J_BLOCK drafts per load: one load's latency instead of k, for
+    ``finish_kernel`` (a few programs, latency-bound). The statistics programs keep the
+    scalar loop: the vector's reduction across their warps made them slower at B = 128."""
+    kg = tl.load(k_given_ptr + req)
+    ds = tl.load(draft_start_ptr + req)
+    keff = kg
+    for c in range(0, kg, J_BLOCK):
+        j = c + tl.arange(0, J_BLOCK)
+        d = tl.load(draft_ids_ptr + ds + j, mask=j < kg, other=0)
+        keff = tl.minimum(keff, tl.min(tl.where(d == -1, j, kg), axis=0))
     return keff
 
 
@@ -158,7 +185,11 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req) + live_extra
+    if IS_PROBS:  # (measured: 297 -> 223 us for draft probabilities at B = 128; logits slower)
+        k_eff = _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    else:
+        k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    live = j < k_eff + live_extra
     t = tl.load(temp_ptr + req)
     _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
                  tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS, WRITE_TILES,
@@ -248,6 +279,28 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)), axis=0)
     flags = tl.max(pf & FLAG_BAD, axis=0) | tl.max(pf & FLAG_FINITE, axis=0)
+    return m, tl.log(total), flags
+
+
+@triton.jit
+def _rows_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, live, S, t,
+                IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
+    """:func:`_row_stats` of the rows ``r`` [J] where ``live`` [J] (else max -inf, flags 0),
+    with one load of their splits: ([J] max, [J] log-normaliser, [J] flags). (The per-row
+    kernels keep the scalar form: the single launch runs capped at 48 registers.)"""
+    offs = tl.arange(0, S_MAX)[None, :]
+    o = r.to(tl.int64)[:, None] * S + offs
+    ok = live[:, None] & (offs < S)
+    pm = tl.load(part_m_ptr + o, mask=ok, other=-float("inf"))
+    ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
+    pf = tl.load(part_f_ptr + o, mask=ok, other=0)
+    m = tl.max(pm, axis=1)
+    if IS_PROBS:
+        total = tl.sum(ps, axis=1)
+    else:
+        m_safe = tl.where(m == -float("inf"), 0.0, m)[:, None]
+        total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)), axis=1)
+    flags = tl.max(pf & FLAG_BAD, axis=1) | tl.max(pf & FLAG_FINITE, axis=1)
     return m, tl.log(total), flags
 
 
@@ -478,9 +531,9 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
 def _cut(cut_v_ptr, cut_i_ptr, row, filtered):
     """The filters' cut (cut_v, cut_i) of target row ``row`` when ``filtered`` (a runtime
     flag or a constexpr); (-inf, INT_MAX) otherwise (then ``cut_i_ptr`` still points to int32,
-    so that one compiled variant serves both)."""
-    cut_v = -float("inf")
-    cut_i = 2147483647
+    so that one compiled variant serves both). ``row``: a scalar or a vector of rows."""
+    cut_v = (row * 0).to(tl.float32) - float("inf")
+    cut_i = (row * 0).to(tl.int32) + 2147483647
     if filtered:
         cut_v = tl.load(cut_v_ptr + row)
         cut_i = tl.load(cut_i_ptr + row)
@@ -488,12 +541,14 @@ def _cut(cut_v_ptr, cut_i_ptr, row, filtered):
 
 
 @triton.jit
-def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr, cut_v, cut_i):
-    """p(tok) of a row from its stats: exp((x - m) / t - logz) (0 outside the filters' cut),
-    or x for probabilities; 0 for tok >= V (a draft vocabulary shorter than the target's)."""
-    ok = tok < V
+def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr, cut_v, cut_i,
+             live):
+    """p(tok) of rows from their stats: exp((x - m) / t - logz) (0 outside the filters' cut),
+    or x for probabilities; 0 for tok >= V (a draft vocabulary shorter than the target's) and
+    where not ``live`` (nothing read there)."""
+    ok = (tok < V) & live
     safe = tl.where(ok, tok, 0)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride + safe).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + safe, mask=ok, other=0.0).to(tl.float32)
     if IS_PROBS:
         p = x
     else:
@@ -521,13 +576,13 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 
 
 @triton.jit
-def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr):
+def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr, live):
     if DRAFT_PROBS:
         q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, True, -float("inf"),
-                     2147483647)
+                     2147483647, live)
     else:
         q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, False, -float("inf"),
-                     2147483647)
+                     2147483647, live)
     return q
 
 
@@ -571,7 +626,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                     RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
     """The work of :func:`finish_kernel` for request ``i``."""
-    k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
+    k = _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
     start = tl.load(row_start_ptr + i)
     dstart = tl.load(draft_start_ptr + i)
     seed_lo = tl.load(seed_lo_ptr + i)
@@ -591,74 +646,89 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
     tau = k * 0
     emit = err
     res_row = k * 0
-    for j in range(0, k + 1):
-        r = start + j
-        m = tl.load(stats_ptr + r.to(tl.int64) * 3)
-        logz = tl.load(stats_ptr + r.to(tl.int64) * 3 + 1)
-        flags = tl.load(stats_ptr + r.to(tl.int64) * 3 + 2).to(tl.int32)
-        err |= tl.where((flags & FLAG_BAD) != 0, ERR_LOGITS_NAN, 0)
-        err |= tl.where((flags & (FLAG_BAD | FLAG_FINITE)) == 0, ERR_LOGITS_NO_FINITE, 0)
-        y = tl.load(y_ptr + r)
+    lanes = tl.arange(0, J_BLOCK)
+    # J_BLOCK positions at a time: every load of a step is issued at once (a walk one position
+    # at a time waited for two dependent loads per position); the walk itself runs on
+    # registers (a position's value picked from its lane).
+    for c in range(0, k + 1, J_BLOCK):
+        j = c + lanes
+        row = j <= k
         is_draft = j < k
-        d = tl.load(draft_ids_ptr + dstart + tl.where(is_draft, j, 0), mask=is_draft, other=0)
+        r = start + tl.where(row, j, 0)
+        ro = r.to(tl.int64) * 3
+        m = tl.load(stats_ptr + ro, mask=row, other=0.0)
+        logz = tl.load(stats_ptr + ro + 1, mask=row, other=0.0)
+        flags = tl.load(stats_ptr + ro + 2, mask=row, other=0.0).to(tl.int32)
+        err |= _any(row & ((flags & FLAG_BAD) != 0), ERR_LOGITS_NAN)
+        err |= _any(row & ((flags & (FLAG_BAD | FLAG_FINITE)) == 0), ERR_LOGITS_NO_FINITE)
+        y = tl.load(y_ptr + r, mask=row, other=0)
+        d = tl.load(draft_ids_ptr + dstart + j, mask=is_draft, other=0)
         bad_id = is_draft & ((d < 0) | (d >= V))
-        err |= tl.where(bad_id, ERR_DRAFT_ID, 0)
+        err |= _any(bad_id, ERR_DRAFT_ID)
         d = tl.where(bad_id, 0, d)
         dr = dstart + j
-        dm = 0.0
-        dlogz = 0.0
+        dm = tl.zeros([J_BLOCK], tl.float32)
+        dlogz = dm
         if HAS_DRAFT:
-            if is_draft:
-                dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS,
-                                               dt, DRAFT_PROBS, S_MAX)
-                dbad = ((dflags & FLAG_BAD) != 0) | ((dflags & FLAG_FINITE) == 0)
-                if DRAFT_PROBS:
-                    dbad = dbad | ~(dlogz > -float("inf"))
-                err |= tl.where(dbad, ERR_DRAFT_ROW, 0)
+            dm, dlogz, dflags = _rows_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, is_draft,
+                                            DS, dt, DRAFT_PROBS, S_MAX)
+            dbad = ((dflags & FLAG_BAD) != 0) | ((dflags & FLAG_FINITE) == 0)
+            if DRAFT_PROBS:
+                dbad = dbad | ~(dlogz > -float("inf"))
+            err |= _any(is_draft & dbad, ERR_DRAFT_ROW)
+        has_k = k < c + J_BLOCK  # the bonus row j == k is in this step
+        lk = (k - c).to(tl.int32)  # its lane
         if use_dist != 0:
-            if is_draft:
-                cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
-                p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i)
-                q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS)
-                if BLOCK_METHOD:
-                    if RHO_ONLY:
-                        # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j)
-                        u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
-                        tl.store(rho_row_ptr + dr, tl.where((j > 0) & (u <= rho), rho, -1.0))
-                    elif j > 0:
-                        # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
-                        so = tl.arange(0, S_MAX)
-                        mass = tl.sum(tl.load(bmass_ptr + dr.to(tl.int64) * SB + so,
-                                              mask=so < SB, other=0.0), axis=0)
-                        denom = mass + (1.0 - rho)
-                        h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
-                        u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
-                        acc = (u <= h) & (u <= rho)  # min(h_j, rho_j): the same in real numbers
-                        tau = tl.where(acc, j, tau)
-                        rho_tau = tl.where(acc, rho, rho_tau)
-                    ratio = tl.where(q_x > 0, p_x / tl.where(q_x > 0, q_x, 1.0),
-                                     tl.where(p_x > 0, float("inf"), 0.0))
-                    rho = tl.where(rho > 0, tl.minimum(rho * ratio, 1.0), 0.0)
+            cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
+            p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i, is_draft)
+            q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS, is_draft)
+            if BLOCK_METHOD:
+                u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
+                ratio = tl.where(q_x > 0, p_x / tl.where(q_x > 0, q_x, 1.0),
+                                 tl.where(p_x > 0, float("inf"), 0.0))
+                rho_j = tl.zeros([J_BLOCK], tl.float32)  # rho_j before the draft of each lane
+                for lane in tl.static_range(J_BLOCK):
+                    rho_j = tl.where(lanes == lane, rho, rho_j)
+                    nxt = tl.where(rho > 0, tl.minimum(rho * _lane(ratio, lane), 1.0), 0.0)
+                    rho = tl.where(c + lane < k, nxt, rho)
+                if RHO_ONLY:
+                    # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j)
+                    tl.store(rho_row_ptr + dr, tl.where((j > 0) & (u <= rho_j), rho_j, -1.0),
+                             mask=is_draft)
                 else:
-                    u = _uniform(seed_lo, seed_hi, pos0 + j, j * 0, STREAM_ACCEPT)
-                    ok = u * q_x < p_x
-                    n_acc += tl.where((matching != 0) & ok, 1, 0)
-                    res_row = tl.where((matching != 0) & ~ok, j, res_row)
-                    matching = tl.where(ok, matching, 0)
-            else:  # the bonus row j == k
-                if BLOCK_METHOD:
-                    if k > 0:
-                        u = _uniform(seed_lo, seed_hi, pos0 + k - 1, k, STREAM_BLOCK_ACCEPT)
-                        tau = tl.where(u <= rho, k, tau)
+                    # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
+                    so = tl.arange(0, S_MAX)[None, :]
+                    mass = tl.sum(tl.load(bmass_ptr + dr.to(tl.int64)[:, None] * SB + so,
+                                          mask=(is_draft & (j > 0))[:, None] & (so < SB),
+                                          other=0.0), axis=1)
+                    denom = mass + (1.0 - rho_j)
+                    h = tl.where(mass > 0, mass / tl.where(denom > 0, denom, 1.0), 0.0)
+                    # min(h_j, rho_j): the same in real numbers
+                    acc = is_draft & (j > 0) & (u <= h) & (u <= rho_j)
+                    last = tl.max(tl.where(acc, lanes, -1), axis=0)
+                    tau = tl.where(last >= 0, c + last, tau)
+                    rho_tau = tl.where(last >= 0, _lane(rho_j, last), rho_tau)
+                if has_k:  # h_k = rho_k
+                    tau = tl.where((k > 0) & (_lane(u, lk) <= rho), k, tau)
                     n_acc = tau
                     res_row = tau
                     matching = tl.where(tau == k, 1, 0)
-                emit = tl.where(matching != 0, y, emit)
+            else:
+                # Leviathan et al. Alg. 1: accept x_j iff u_j * q_j(x_j) < p_j(x_j).
+                u = _uniform(seed_lo, seed_hi, pos0 + j, j * 0, STREAM_ACCEPT)
+                first = tl.min(tl.where(is_draft & ~(u * q_x < p_x), lanes, J_BLOCK), axis=0)
+                n_acc += tl.where(matching != 0, tl.minimum(first, (k - c).to(tl.int32)), 0)
+                rejected_here = (matching != 0) & (first < J_BLOCK)
+                res_row = tl.where(rejected_here, c + first, res_row)
+                matching = tl.where(rejected_here, 0, matching)
+            if has_k:
+                emit = tl.where(matching != 0, _lane(y, lk), emit)
         else:  # greedy, or one-hot drafts: sample-and-match
-            ok = is_draft & (d == y)
-            emit = tl.where((matching != 0) & ~ok, y, emit)
-            n_acc += tl.where((matching != 0) & ok, 1, 0)
-            matching = tl.where(ok, matching, 0)
+            first = tl.min(tl.where(row & ~(is_draft & (d == y)), lanes, J_BLOCK), axis=0)
+            stops = (matching != 0) & (first < J_BLOCK)  # (the bonus row always stops)
+            emit = tl.where(stops, _lane(y, first), emit)
+            n_acc += tl.where(matching != 0, first, 0)
+            matching = tl.where(stops, 0, matching)
     if RHO_ONLY:
         # Every draft row of the request gets its final rho_row: -1 (block_mass_kernel skips
         # it) where Z_j cannot change tau: eta_k <= rho_k already gives tau = k, the largest;
