@@ -140,32 +140,86 @@ def test_filtered_path_matches(kind, method):
     assert path == "triton.verify.filtered"
 
 
+def _long_drafts_case(seed: int, ks: list[int], v: int, kind: str, temps: list[float],
+                      placeholders: tuple[int, ...] = (), agree: float = 0.9,
+                      noise: float = 0.7):
+    """Requests with up to 17 drafts (finish_kernel walks 8 positions per step): draft
+    logits q the target's plus N(0, noise^2), each draft the target row's argmax with
+    probability ``agree``, else q's argmax (the defaults make some requests accept 8 or
+    more); ``placeholders``: flat draft indices set to -1."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(ks)
+    logits = torch.randn(n + sum(ks), v, generator=gen)
+    starts = torch.tensor([0] + ks[:-1]).cumsum(0) + torch.arange(n)
+    rows = torch.cat([s + torch.arange(k) for s, k in zip(starts.tolist(), ks)]).long()
+    q = logits[rows] + noise * torch.randn(len(rows), v, generator=gen)
+    agrees = torch.rand(len(rows), generator=gen) < agree
+    d = torch.where(agrees, logits[rows].argmax(-1), q.argmax(-1))
+    d[list(placeholders)] = -1
+    extra = ({"draft_logits": q.to(DEVICE)} if kind == "draft_logits" else
+             {"draft_probs": torch.softmax(q, -1).to(DEVICE)} if kind == "draft_probs" else {})
+    params = [SamplingParams(temperature=temps[i % len(temps)], seed=77 + i) for i in range(n)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
+    pos = torch.randint(0, 2**33, (n,), generator=gen).to(DEVICE)
+    return logits.to(DEVICE), d.to(DEVICE), ks, batch, pos, extra
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_more_drafts_than_one_finish_step(kind, method):
+    """k + 1 > 8: the finish walk's later steps, the running state (acceptance, rho) carried
+    between them, the bonus row alone in a step; greedy and sampled requests, a placeholder."""
+    ks = [9, 12, 8, 7, 16, 10, 0, 17]
+    case = _long_drafts_case(3, ks, 48, kind, [1.0, 0.0, 1.0, 0.7], placeholders=(32,))
+    out, _ = _compare(*case, method)
+    assert (out.num_accepted.cpu() >= 8).any()
+
+
 @pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
 def test_block_masses_only_where_they_can_change_tau(kind):
-    """Block verification sums Z_j only for the draft rows whose h_j can still decide tau
-    (eta_j <= rho_j, and eta_k > rho_k): the others are marked -1 in the ``block.rho``
-    scratch. The same tokens as the torch backend (which sums every Z_j), on a batch where
-    rows are skipped and where some accepted lengths were decided by a summed Z_j (0 < tau <
-    k at T > 0), so skipping a row that mattered would change tokens."""
+    """Block verification sums Z_j only for the draft rows whose h_j can still decide tau:
+    0 < j < k_eff, a request that samples from distributions, u_j <= rho_j, and not
+    u_k <= rho_k (tau = k whatever the masses); the others are -1 in the ``block.rho``
+    scratch. Checked row by row against rho_j and u_j recomputed here, and the tokens
+    against the torch backend (which sums every Z_j) on a batch where some tau were decided
+    by a summed Z_j (0 < tau < k), so skipping a row that mattered would change tokens."""
     from specsample import workspace
-    n, v = 24, 300
-    ks = [4] * n  # four drafts each: rows with 0 < j < k exist in every request
-    gen = torch.Generator().manual_seed(5)
-    d = torch.randint(0, v, (4 * n,), generator=gen).to(DEVICE)
-    pos = torch.randint(0, 2**33, (n,), generator=gen).to(DEVICE)
-    logits = torch.randn(5 * n, v, generator=gen) * 2
-    q = torch.randn(4 * n, v, generator=gen) * 2 + logits.view(n, 5, v)[:, :4].reshape(-1, v)
-    logits = logits.to(DEVICE)
-    extra = ({"draft_logits": q.to(DEVICE)} if kind == "draft_logits"
-             else {"draft_probs": torch.softmax(q, -1).to(DEVICE)})
-    params = [SamplingParams(temperature=1.0, seed=300 + i) for i in range(n)]
-    batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
-    out, _ = _compare(logits, d, ks, batch, pos, extra, "block")
-    rho = workspace.scratch("block.rho", (4 * n,), torch.float32, torch.device(DEVICE))
-    rho = rho.cpu().view(n, 4)[:, 1:]  # rows 0 < j < k
-    n_acc = out.num_accepted.cpu()
-    assert (rho < 0).any() and (rho >= 0).any()
-    assert ((n_acc > 0) & (n_acc < 4)).any()
+    ks = [4, 10, 3, 1, 0, 9, 5, 4, 2, 4, 4, 4] * 3
+    temps = [1.0, 1.0, 0.0, 0.7]
+    logits, d, ks, batch, pos, extra = case = _long_drafts_case(
+        11, ks, 40, kind, temps, placeholders=(20,), agree=0.0, noise=2.0)
+    out, _ = _compare(*case, "block")
+    rho_row = workspace.scratch("block.rho", (d.numel(),), torch.float32,
+                                torch.device(DEVICE)).cpu()
+    expect = torch.full((d.numel(),), -1.0, dtype=torch.float64)
+    logits, d = logits.cpu().double(), d.cpu()
+    r = ds = 0
+    for i, k in enumerate(ks):
+        t = float(batch.temperature[i])
+        dd = d[ds:ds + k].tolist()
+        keff = dd.index(-1) if -1 in dd else k
+        if t > 0:
+            rho = [1.0]
+            for j in range(keff):
+                p = torch.softmax(logits[r + j] / t, -1)[dd[j]]
+                q = (extra["draft_probs"].cpu().double()[ds + j] if "draft_probs" in extra else
+                     torch.softmax(extra["draft_logits"].cpu().double()[ds + j] / t, -1))[dd[j]]
+                rho.append(min(1.0, rho[-1] * float(p / q)))
+            u = [float(rng.uniform(batch.seed_lo[i:i + 1].cpu(), batch.seed_hi[i:i + 1].cpu(),
+                                   pos[i:i + 1].cpu() + j - 1, torch.tensor([j]),
+                                   rng.STREAM_BLOCK_ACCEPT)) for j in range(keff + 1)]
+            if not (keff > 0 and u[keff] <= rho[keff]):
+                for j in range(1, keff):
+                    if u[j] <= rho[j]:
+                        expect[ds + j] = rho[j]
+        r += k + 1
+        ds += k
+    kept = expect >= 0
+    assert torch.equal(rho_row >= 0, kept), (rho_row, expect)
+    assert torch.allclose(rho_row[kept].double(), expect[kept], rtol=1e-4)
+    assert kept.any() and (~kept).any()
+    n_acc, k_t = out.num_accepted.cpu(), torch.tensor(ks)
+    assert ((n_acc > 0) & (n_acc < k_t) & (batch.temperature.cpu() > 0)).any()
 
 
 def test_filtered_path_serial_search_fallback():

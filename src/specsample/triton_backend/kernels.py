@@ -152,8 +152,9 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
 @triton.jit
 def _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
     """:func:`_k_eff` with J_BLOCK drafts per load: one load's latency instead of k, for
-    ``finish_kernel`` (a few programs, latency-bound). The statistics programs keep the
-    scalar loop: the vector's reduction across their warps made them slower at B = 128."""
+    ``finish_kernel`` (a few programs, latency-bound) and the statistics of probability rows.
+    The statistics of logits keep the scalar loop: with this one they were slower at B = 128
+    (one-hot 85 -> 92 us), while probability rows became much faster (BENCHMARKS.md)."""
     kg = tl.load(k_given_ptr + req)
     ds = tl.load(draft_start_ptr + req)
     keff = kg
@@ -185,7 +186,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    if IS_PROBS:  # (measured: 297 -> 223 us for draft probabilities at B = 128; logits slower)
+    if IS_PROBS:  # (measured: draft probs at B = 128 about 300 -> 215 us; logits slower)
         k_eff = _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
     else:
         k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
