@@ -181,7 +181,7 @@ def _row_setup(r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_g
     the row is live, sampled, valid and filtered."""
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
     t_req = tl.load(temp_ptr + req)
     t = tl.where(t_req > 0, t_req, 1.0)
     m, logz, flags = _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, False, S_MAX)

@@ -138,30 +138,25 @@ def _lane(v, lane):
 
 
 @triton.jit
-def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
-    """Drafts of request ``req`` before its first placeholder (-1), else its k_i."""
-    kg = tl.load(k_given_ptr + req)
-    ds = tl.load(draft_start_ptr + req)
-    keff = kg
-    for j in range(0, kg):
-        d = tl.load(draft_ids_ptr + ds + j)
-        keff = tl.where((d == -1) & (keff == kg), j, keff)
-    return keff
+def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, LANES: tl.constexpr):
+    """Drafts of request ``req`` before its first placeholder (-1), else its k_i.
 
-
-@triton.jit
-def _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req):
-    """:func:`_k_eff` with J_BLOCK drafts per load: one load's latency instead of k, for
+    LANES reads J_BLOCK draft ids per load (one load's latency instead of k): for
     ``finish_kernel`` (a few programs, latency-bound) and the statistics of probability rows.
-    The statistics of logits keep the scalar loop: with this one they were slower at B = 128
+    The statistics of logits keep the scalar loop: with LANES they were slower at B = 128
     (one-hot 85 -> 92 us), while probability rows became much faster (BENCHMARKS.md)."""
     kg = tl.load(k_given_ptr + req)
     ds = tl.load(draft_start_ptr + req)
     keff = kg
-    for c in range(0, kg, J_BLOCK):
-        j = c + tl.arange(0, J_BLOCK)
-        d = tl.load(draft_ids_ptr + ds + j, mask=j < kg, other=0)
-        keff = tl.minimum(keff, tl.min(tl.where(d == -1, j, kg), axis=0))
+    if LANES:
+        for c in range(0, kg, J_BLOCK):
+            j = c + tl.arange(0, J_BLOCK)
+            d = tl.load(draft_ids_ptr + ds + j, mask=j < kg, other=0)
+            keff = tl.minimum(keff, tl.min(tl.where(d == -1, j, kg), axis=0))
+    else:
+        for j in range(0, kg):
+            d = tl.load(draft_ids_ptr + ds + j)
+            keff = tl.where((d == -1) & (keff == kg), j, keff)
     return keff
 
 
@@ -186,11 +181,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    if IS_PROBS:  # (measured: draft probs at B = 128 about 300 -> 215 us; logits slower)
-        k_eff = _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
-    else:
-        k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
-    live = j < k_eff + live_extra
+    live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, IS_PROBS) + live_extra
     t = tl.load(temp_ptr + req)
     _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
                  tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS, WRITE_TILES,
@@ -263,7 +254,7 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
 @triton.jit
 def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
                IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
-    """Combine row ``r``'s splits: (max, log-normaliser, argmax, flags).
+    """Combine row ``r``'s splits: (max, log-normaliser, flags).
 
     For logits the normaliser is log sum exp((x - max) / t); for probabilities log sum x.
     """
@@ -274,21 +265,15 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
     ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
     pf = tl.load(part_f_ptr + o, mask=ok, other=0)
     m = tl.max(pm, axis=0)
-    if IS_PROBS:
-        total = tl.sum(ps, axis=0)
-    else:
-        m_safe = tl.where(m == -float("inf"), 0.0, m)
-        total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)), axis=0)
-    flags = tl.max(pf & FLAG_BAD, axis=0) | tl.max(pf & FLAG_FINITE, axis=0)
-    return m, tl.log(total), flags
+    logz, flags = _combine_splits(pm, ps, pf, m, t, 0, IS_PROBS)
+    return m, logz, flags
 
 
 @triton.jit
 def _rows_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, live, S, t,
                 IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
     """:func:`_row_stats` of the rows ``r`` [J] where ``live`` [J] (else max -inf, flags 0),
-    with one load of their splits: ([J] max, [J] log-normaliser, [J] flags). (The per-row
-    kernels keep the scalar form: the single launch runs capped at 48 registers.)"""
+    with one load of their splits: ([J] max, [J] log-normaliser, [J] flags)."""
     offs = tl.arange(0, S_MAX)[None, :]
     o = r.to(tl.int64)[:, None] * S + offs
     ok = live[:, None] & (offs < S)
@@ -296,13 +281,22 @@ def _rows_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, live, S, t,
     ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
     pf = tl.load(part_f_ptr + o, mask=ok, other=0)
     m = tl.max(pm, axis=1)
+    logz, flags = _combine_splits(pm, ps, pf, m[:, None], t, 1, IS_PROBS)
+    return m, logz, flags
+
+
+@triton.jit
+def _combine_splits(pm, ps, pf, m, t, AXIS: tl.constexpr, IS_PROBS: tl.constexpr):
+    """(log-normaliser, flags) of split statistics ``pm`` / ``ps`` / ``pf`` reduced over
+    ``AXIS``, ``m`` their maximum (broadcastable against ``pm``)."""
     if IS_PROBS:
-        total = tl.sum(ps, axis=1)
+        total = tl.sum(ps, axis=AXIS)
     else:
-        m_safe = tl.where(m == -float("inf"), 0.0, m)[:, None]
-        total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)), axis=1)
-    flags = tl.max(pf & FLAG_BAD, axis=1) | tl.max(pf & FLAG_FINITE, axis=1)
-    return m, tl.log(total), flags
+        m_safe = tl.where(m == -float("inf"), 0.0, m)
+        total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)),
+                       axis=AXIS)
+    flags = tl.max(pf & FLAG_BAD, axis=AXIS) | tl.max(pf & FLAG_FINITE, axis=AXIS)
+    return tl.log(total), flags
 
 
 @triton.jit
@@ -423,7 +417,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
     _draw_row(x_ptr, stride, V, r, req, j, live, tl.load(temp_ptr + req), req_temp_ptr,
               seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
               tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr,
@@ -458,7 +452,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     s = tl.program_id(1)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req)
+    k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
     live = j <= k_eff
     t = tl.load(temp_ptr + req)
     _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
@@ -627,7 +621,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                     RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
     """The work of :func:`finish_kernel` for request ``i``."""
-    k = _k_eff_lanes(draft_ids_ptr, draft_start_ptr, k_given_ptr, i)
+    k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i, True)
     start = tl.load(row_start_ptr + i)
     dstart = tl.load(draft_start_ptr + i)
     seed_lo = tl.load(seed_lo_ptr + i)
