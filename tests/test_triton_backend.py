@@ -179,10 +179,12 @@ def test_more_drafts_than_one_finish_step(kind, method):
 def test_block_masses_only_where_they_can_change_tau(kind):
     """Block verification sums Z_j only for the draft rows whose h_j can still decide tau:
     0 < j < k_eff, a request that samples from distributions, u_j <= rho_j, and not
-    u_k <= rho_k (tau = k whatever the masses); the others are -1 in the ``block.rho``
-    scratch. Checked row by row against rho_j and u_j recomputed here, and the tokens
-    against the torch backend (which sums every Z_j) on a batch where some tau were decided
-    by a summed Z_j (0 < tau < k), so skipping a row that mattered would change tokens."""
+    u_k <= rho_k (tau = k whatever the masses); and row 0 (rho_0 = 1) of such a request, the
+    residual's row if tau ends at 0 (the residual draw reads its tile masses). The others
+    are -1 in the ``block.rho`` scratch. Checked row by row against rho_j and u_j recomputed
+    here, and the tokens against the torch backend (which sums every Z_j) on a batch where
+    some tau were decided by a summed Z_j (0 < tau < k) and some corrections drawn at row 0,
+    so skipping a row that mattered would change tokens."""
     from specsample import workspace
     ks = [4, 10, 3, 1, 0, 9, 5, 4, 2, 4, 4, 4] * 3
     temps = [1.0, 1.0, 0.0, 0.7]
@@ -208,7 +210,8 @@ def test_block_masses_only_where_they_can_change_tau(kind):
             u = [float(rng.uniform(batch.seed_lo[i:i + 1].cpu(), batch.seed_hi[i:i + 1].cpu(),
                                    pos[i:i + 1].cpu() + j - 1, torch.tensor([j]),
                                    rng.STREAM_BLOCK_ACCEPT)) for j in range(keff + 1)]
-            if not (keff > 0 and u[keff] <= rho[keff]):
+            if keff > 0 and not u[keff] <= rho[keff]:
+                expect[ds] = 1.0
                 for j in range(1, keff):
                     if u[j] <= rho[j]:
                         expect[ds + j] = rho[j]
@@ -219,7 +222,9 @@ def test_block_masses_only_where_they_can_change_tau(kind):
     assert torch.allclose(rho_row[kept].double(), expect[kept], rtol=1e-4)
     assert kept.any() and (~kept).any()
     n_acc, k_t = out.num_accepted.cpu(), torch.tensor(ks)
-    assert ((n_acc > 0) & (n_acc < k_t) & (batch.temperature.cpu() > 0)).any()
+    sampled = batch.temperature.cpu() > 0
+    assert ((n_acc > 0) & (n_acc < k_t) & sampled).any()
+    assert ((n_acc == 0) & (k_t > 0) & sampled).any()
 
 
 def test_filtered_path_serial_search_fallback():

@@ -62,6 +62,10 @@ S_MAX = 128  # most vocabulary splits of one row
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
 TILES_PER_CHUNK = 4  # the stats kernel loads 4 tiles (8192 tokens) per iteration on GPU
+# block_mass_kernel reads 2 tiles of the target and the draft row per iteration: with 4 the
+# B = 128 call took 246 us, with 2 233 us, with 1 258 us (H200, BENCHMARKS.md, "The residual
+# draw from block verification's masses"). residual_mass_kernel reads one.
+MASS_TILES_PER_CHUNK = 2
 NUM_WARPS = 8
 # The statistics pass with tile maxima: a per-tile reduction of 4 tiles costs 8 warps about
 # 19% (H200, B = 128: 70.7 against 59.5 us); with 4 warps it takes the plain pass's 59.4 us.
@@ -454,36 +458,41 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             num_warps=4 if not _interpreting(dev) else 1)
 
     n_drafts = plan.draft_token_ids.numel()
-    if block and k > 1:
+    block_mass = block and k > 1
+    if block_mass:
         # Block verification's Z_j for every draft row at once: rho_j first (a pass over the
         # requests' scalars, which also marks the rows whose Z_j cannot change tau), then the
-        # masses of the other rows in parallel over (draft row, split).
+        # masses of the other rows in parallel over (draft row, split). Their tile masses
+        # serve the residual draw at tau, so residual_mass_kernel is not launched.
         rho_row = workspace.scratch("block.rho", (n_drafts,), torch.float32, dev)
-        sb, bcps, _ = _splits(n_drafts, plan.vocab_size, 1, dev)
+        sb, bcps, _ = _splits(n_drafts, plan.vocab_size, MASS_TILES_PER_CHUNK, dev)
         bmass = workspace.scratch("block.mass", (n_drafts, sb), torch.float32, dev)
+        mass = workspace.scratch("block.tile_mass", (n_drafts, nt), torch.float32, dev)
         finish(rho_only=True)
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, plan.draft_req, plan.draft_j, plan.k_given, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, nt, bcps, cut_v, cut_i,
-            DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, mass, nt, bcps, cut_v, cut_i,
+            DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, TPC=MASS_TILES_PER_CHUNK,
+            BLOCK=BLOCK, num_warps=warps)
     if not finished:
         finish(rho_only=False)
 
     if plan.has_draft_dist:
-        mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
-        rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
-        launch(kernels.residual_mass_kernel)[(n, rs)](
-            x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
-            plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-            res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
-            FILTERED=filtered, S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+        if not block_mass:
+            mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
+            rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
+            launch(kernels.residual_mass_kernel)[(n, rs)](
+                x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
+                plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
+                res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
+                FILTERED=filtered, S_MAX=S_MAX, TPC=1, BLOCK=BLOCK, num_warps=warps)
         launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, token_ids, k, cut_v,
-            cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs, S_MAX=S_MAX, BLOCK=BLOCK,
-            num_warps=warps)
+            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, int(block_mass),
+            token_ids, k, cut_v, cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs,
+            S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
         # The processing sanitised the rows of requests it found invalid (NaN / inf logits,

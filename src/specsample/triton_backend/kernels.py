@@ -54,7 +54,7 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
 _NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB",
-                                   "filtered", "lp0"])
+                                   "filtered", "lp0", "by_draft_row"])
 J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
 
@@ -687,8 +687,10 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     nxt = tl.where(rho > 0, tl.minimum(rho * _lane(ratio, lane), 1.0), 0.0)
                     rho = tl.where(c + lane < k, nxt, rho)
                 if RHO_ONLY:
-                    # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j)
-                    tl.store(rho_row_ptr + dr, tl.where((j > 0) & (u <= rho_j), rho_j, -1.0),
+                    # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j);
+                    # row 0 (rho_0 = 1) is the residual's row when tau ends at 0, so its mass
+                    # is summed with the others (no residual_mass_kernel launch)
+                    tl.store(rho_row_ptr + dr, tl.where((j == 0) | (u <= rho_j), rho_j, -1.0),
                              mask=is_draft)
                 else:
                     # h_j = Z_j / (Z_j + 1 - rho_j), Z_j = sum max(rho_j p_j - q_j, 0).
@@ -797,27 +799,12 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
 
 
 @triton.jit
-def _rejected_tile_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                           draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                           dpart_f_ptr, DS, rho, i, r, tile, cut_v_ptr, cut_i_ptr, filtered,
-                           DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Residual weights w = max(rho p - q, 0) of tile ``tile`` of request ``i``'s target row
-    ``r`` and its draft row. Returns (w [BLOCK], token ids [BLOCK])."""
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    w = _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                          dpart_f_ptr, DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
-                          DRAFT_PROBS, S_MAX)
-    return w, offs
-
-
-@triton.jit
-def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr,
-                      DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
-                      DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
-    """Residual weights w = max(rho p - q, 0) at token ids ``offs`` of request ``i``'s target
-    row ``r`` and its draft row."""
+def _pair_stats(temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr,
+                dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered,
+                DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
+    """What the residual weights of request ``i``'s target row ``r`` and its draft row need:
+    (t, max, log-normaliser, draft row, draft t, draft max, draft log-normaliser, cut value,
+    cut id). Read once per row pair, outside the loops over its tiles."""
     t = tl.load(temp_ptr + i)
     t = tl.where(t > 0, t, 1.0)
     dt = tl.load(req_temp_ptr + i)
@@ -828,6 +815,39 @@ def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
                                    DRAFT_PROBS, S_MAX)
     cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
+    return t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i
+
+
+@triton.jit
+def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, dt, dm, dlogz,
+                 cut_v, cut_i, c0, c1, tmass_ptr, trow, NT, DRAFT_PROBS: tl.constexpr,
+                 TPC: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunks [c0, c1) (TPC tiles each) of the residual w = max(rho p - q, 0) of target row
+    ``r`` and draft row ``dr``: writes each tile's mass at tmass [trow, tile] and returns
+    their sum. A chunk is one load of TPC * BLOCK elements per row."""
+    CHUNK: tl.constexpr = TPC * BLOCK
+    total = 0.0
+    for c in range(c0, c1):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                              dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
+        tile_mass = tl.sum(tl.reshape(w, (TPC, BLOCK)), axis=1)
+        tile = c * TPC + tl.arange(0, TPC)
+        tl.store(tmass_ptr + trow.to(tl.int64) * NT + tile, tile_mass, mask=tile < NT)
+        total += tl.sum(tile_mass, axis=0)
+    return total
+
+
+@triton.jit
+def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
+                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr,
+                      DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
+                      DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
+    """Residual weights w = max(rho p - q, 0) at token ids ``offs`` of request ``i``'s target
+    row ``r`` and its draft row."""
+    t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+        temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
+        dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS, S_MAX)
     return _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
                              dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
 
@@ -837,35 +857,39 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
                          dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT, CPS, cut_v_ptr,
                          cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
-    w = max(rho_tau p - q, 0) in each tile of the split (the rejected target / draft row pair
-    is read once, in parallel over splits). Writes mass [N, NT]."""
+    w = max(rho_tau p - q, 0) in each tile of the split's CPS chunks (the rejected target /
+    draft row pair is read once, in parallel over splits). Writes mass [N, NT]."""
     i = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
-        for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
-            w, offs = _rejected_tile_weights(
-                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, tile, cut_v_ptr, cut_i_ptr, FILTERED,
-                DRAFT_PROBS, S_MAX, BLOCK)
-            tl.store(mass_ptr + i.to(tl.int64) * NT + tile, tl.sum(w, axis=0))
+        t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
+            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
+            S_MAX)
+        nc = tl.cdiv(NT, TPC)
+        _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.load(res_rho_ptr + i), t, m,
+                     logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
+                     tl.minimum(s * CPS + CPS, nc), mass_ptr, i, NT, DRAFT_PROBS, TPC, BLOCK)
 
 
 @triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                       draft_start_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, d_ptr, dstride,
-                      DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr, NT,
-                      CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                      S_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (draft row, split): the split's part of block verification's
+                      DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr,
+                      tmass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
+                      FILTERED: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Per (draft row, split of CPS chunks): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
-    whose Z_j can still change the accepted length (the first finish pass wrote their rho_j;
-    others have rho_row -1 and get 0; rows no request owns are not read). Writes
-    bmass [drafts, splits]: every Z_j of the batch at once instead of one request's rows in
-    series."""
+    whose Z_j can still change the accepted length, and row 0 (rho_0 = 1) of every request
+    whose tau is not yet k (the first finish pass wrote their rho_j; others have rho_row -1
+    and get 0; rows no request owns are not read). Writes bmass [drafts, splits]: every Z_j
+    of the batch at once instead of one request's rows in series; and the tile masses
+    tmass [drafts, NT] of the rows it reads, from which ``residual_draw_kernel`` draws the
+    correction at row tau (it is one of them: eta_tau <= rho_tau, or tau = 0)."""
     dr = tl.program_id(0)
     s = tl.program_id(1)
     i = tl.load(draft_req_ptr + dr)
@@ -874,12 +898,14 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     total = 0.0
     if rho >= 0:
         r = tl.load(row_start_ptr + i) + j
-        for tile in range(s * CPS, tl.minimum(s * CPS + CPS, NT)):
-            w, offs = _rejected_tile_weights(
-                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                rho, i, r, tile, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS, S_MAX, BLOCK)
-            total += tl.sum(w, axis=0)
+        t, m, logz, dr2, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
+            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
+            S_MAX)
+        nc = tl.cdiv(NT, TPC)
+        total = _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr2, dt,
+                             dm, dlogz, cut_v, cut_i, s * CPS, tl.minimum(s * CPS + CPS, nc),
+                             tmass_ptr, dr, NT, DRAFT_PROBS, TPC, BLOCK)
     tl.store(bmass_ptr + dr.to(tl.int64) * tl.num_programs(1) + s, total)
 
 
@@ -887,19 +913,22 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
                          DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr,
-                         mass_ptr, NT, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered,
-                         lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, DRAFT_PROBS: tl.constexpr,
-                         S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
+                         filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
+                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
-    when the residual mass is 0 (p == q to rounding). Overwrites the correction token (and,
-    with ``lp0``, its logprob: ``finish_kernel``)."""
+    when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
+    (``residual_mass_kernel``), or with ``by_draft_row`` mass [drafts, NT] at the draft row of
+    the rejected position (``block_mass_kernel``). Overwrites the correction token (and, with
+    ``lp0``, its logprob: ``finish_kernel``)."""
     i = tl.program_id(0)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         start = tl.load(row_start_ptr + i)
         j = r - start
+        mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
         pos = tl.load(pos_ptr + i) + j
@@ -908,7 +937,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         for c in range(0, NT, NT_CHUNK):
             offs = c + tl.arange(0, NT_CHUNK)
             ok = offs < NT
-            mass = tl.load(mass_ptr + i.to(tl.int64) * NT + offs, mask=ok, other=0.0)
+            mass = tl.load(mass_ptr + mrow.to(tl.int64) * NT + offs, mask=ok, other=0.0)
             has = ok & (mass > 0)
             key = tl.log(tl.where(has, mass, 1.0)) + _gumbel(
                 seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL_TILE)
@@ -919,11 +948,12 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             best = tl.maximum(best, kmax)
         tok = tl.load(y_ptr + r)
         if best > -float("inf"):
-            w, offs = _rejected_tile_weights(
+            offs = bt * BLOCK + tl.arange(0, BLOCK)
+            w = _rejected_weights(
                 x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                 draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, bt, cut_v_ptr, cut_i_ptr, filtered,
-                DRAFT_PROBS, S_MAX, BLOCK)
+                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
+                DRAFT_PROBS, S_MAX)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
             # The chosen sub-tile only (weights recomputed from cached rows): noise for
