@@ -838,20 +838,6 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
     return total
 
 
-@triton.jit
-def _rejected_weights(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                      draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr,
-                      DS, rho, i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
-                      DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
-    """Residual weights w = max(rho p - q, 0) at token ids ``offs`` of request ``i``'s target
-    row ``r`` and its draft row."""
-    t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
-        temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
-        dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS, S_MAX)
-    return _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
-                             dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
-
-
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
@@ -929,6 +915,12 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         start = tl.load(row_start_ptr + i)
         j = r - start
         mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
+        # the row pair's statistics, loaded while the tile masses are
+        t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
+            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS,
+            S_MAX)
+        rho = tl.load(res_rho_ptr + i)
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
         pos = tl.load(pos_ptr + i) + j
@@ -949,21 +941,15 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         tok = tl.load(y_ptr + r)
         if best > -float("inf"):
             offs = bt * BLOCK + tl.arange(0, BLOCK)
-            w = _rejected_weights(
-                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
-                DRAFT_PROBS, S_MAX)
+            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                                  dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
             # The chosen sub-tile only (weights recomputed from cached rows): noise for
             # SUBTILE tokens, not BLOCK (a sixteenth of the Philox code to compile and run)
             offs = sb * SUBTILE + tl.arange(0, SUBTILE)
-            w = _rejected_weights(
-                x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
-                tl.load(res_rho_ptr + i), i, r, offs, cut_v_ptr, cut_i_ptr, filtered,
-                DRAFT_PROBS, S_MAX)
+            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                                  dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))
@@ -971,9 +957,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         o = i.to(tl.int64) * (K + 1) + j
         tl.store(out_tok_ptr + o, tok.to(tl.int64))
         if lp0 != 0:
-            t = tl.load(temp_ptr + i)
-            lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, tl.where(t > 0, t, 1.0),
-                                  stats_ptr, cut_v_ptr, cut_i_ptr, filtered,
-                                  tl.load(lp_proc_ptr + i) != 0)
+            lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, t, stats_ptr, cut_v_ptr,
+                                  cut_i_ptr, filtered, tl.load(lp_proc_ptr + i) != 0)
             tl.store(lp_v_ptr + o, lp)
             tl.store(lp_i_ptr + o, tok.to(tl.int64))
