@@ -196,10 +196,12 @@ def test_block_masses_only_where_they_can_change_tau(kind):
     expect = torch.full((d.numel(),), -1.0, dtype=torch.float64)
     logits, d = logits.cpu().double(), d.cpu()
     r = ds = 0
+    keffs = []
     for i, k in enumerate(ks):
         t = float(batch.temperature[i])
         dd = d[ds:ds + k].tolist()
         keff = dd.index(-1) if -1 in dd else k
+        keffs.append(keff)
         if t > 0:
             rho = [1.0]
             for j in range(keff):
@@ -221,10 +223,42 @@ def test_block_masses_only_where_they_can_change_tau(kind):
     assert torch.equal(rho_row >= 0, kept), (rho_row, expect)
     assert torch.allclose(rho_row[kept].double(), expect[kept], rtol=1e-4)
     assert kept.any() and (~kept).any()
-    n_acc, k_t = out.num_accepted.cpu(), torch.tensor(ks)
+    n_acc, k_t = out.num_accepted.cpu(), torch.tensor(keffs)
     sampled = batch.temperature.cpu() > 0
     assert ((n_acc > 0) & (n_acc < k_t) & sampled).any()
     assert ((n_acc == 0) & (k_t > 0) & sampled).any()
+
+
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+def test_block_corrections_at_later_rows_over_tiles(kind, monkeypatch):
+    """Block verification's corrections at 0 < tau < k (rho_tau < 1) come from row tau's
+    tile masses, which ``block_mass_kernel`` sums in several splits: rows of three tiles,
+    a drafter that under-weights tiles 1 and 2 (so the residual's tile masses depend on
+    rho), 64 programs per launch (two splits per row). Tokens identical to the torch
+    backend; fails if the draw uses rho = 1, ignores the tile masses, or a split does not
+    write its tiles."""
+    monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
+    n, k, v = 24, 4, 2 * 2048 + 37
+    late = 0
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(n * (k + 1), v, generator=gen) * 1.5
+        logits[:, 2048:4096] -= 0.3
+        rows = torch.cat([torch.arange(i * (k + 1), i * (k + 1) + k) for i in range(n)])
+        q = logits[rows] + 0.8 * torch.randn(len(rows), v, generator=gen)
+        q[:, 2048:] -= 1.5
+        qp = torch.softmax(q, -1)
+        d = torch.multinomial(qp, 1, generator=gen)[:, 0]
+        extra = {"draft_logits": q} if kind == "draft_logits" else {"draft_probs": qp}
+        batch = SamplingBatch.from_params(
+            [SamplingParams(temperature=1.0, seed=500 + i) for i in range(n)], vocab_size=v,
+            device=DEVICE)
+        pos = torch.randint(0, 2**33, (n,), generator=gen)
+        case = (logits.to(DEVICE), d.to(DEVICE), [k] * n, batch, pos.to(DEVICE),
+                {key: t.to(DEVICE) for key, t in extra.items()})
+        out, _ = _compare(*case, "block")
+        late += int(((out.num_accepted > 0) & (out.num_accepted < k)).sum())
+    assert late >= 4
 
 
 def test_filtered_path_serial_search_fallback():
@@ -596,6 +630,38 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
         for filt, general in ((False, False), (True, True)):
             assert (dtype, "onehot", None, "token", False, filt, general, False) in seen
     assert warmed == [torch.device(DEVICE)]  # the layout kernels (device num_draft_tokens)
+
+
+def test_block_only_warmup_covers_block_calls_of_one_draft(monkeypatch):
+    # A block batch whose k_i are all <= 1 draws its corrections from residual_mass_kernel's
+    # masses, as token level does (block_mass_kernel serves max k >= 2): a warmup for block
+    # verification alone must make such calls too, for every draft kind and dtype.
+    from specsample import api
+
+    seen = set()
+
+    def verify(target, drafts, k, batch, *, draft_logits=None, draft_probs=None,
+               method="token", **kw):
+        d = draft_logits if draft_logits is not None else draft_probs
+        kind = "logits" if draft_logits is not None else "probs" if d is not None else "onehot"
+        seen.add((target.dtype, kind, None if d is None else d.dtype, method, max(k)))
+
+    monkeypatch.setattr(api, "verify", verify)
+    monkeypatch.setattr(api, "sample", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "select_backend", lambda device: "triton")
+    monkeypatch.setattr(triton_backend.layout, "warm", lambda device: None)
+    monkeypatch.setitem(triton_backend._state, "compiles_after_warmup", [])
+    try:
+        triton_backend.warmup(DEVICE, vocab_size=64, workers=0, on_compile="ignore",
+                              methods=("block",))
+    finally:
+        triton_backend.disarm_compile_guard()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    for dtype in dtypes:
+        for ddtype in dtypes:
+            for kind in ("logits", "probs"):
+                assert (dtype, kind, ddtype, "block", 1) in seen, (dtype, kind, ddtype)
+                assert (dtype, kind, ddtype, "block", 2) in seen, (dtype, kind, ddtype)
 
 
 def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):

@@ -63,8 +63,8 @@ _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
 TILES_PER_CHUNK = 4  # the stats kernel loads 4 tiles (8192 tokens) per iteration on GPU
 # block_mass_kernel reads 2 tiles of the target and the draft row per iteration: with 4 the
-# B = 128 call took 246 us, with 2 233 us, with 1 258 us (H200, BENCHMARKS.md, "The residual
-# draw from block verification's masses"). residual_mass_kernel reads one.
+# B = 128 call took 246 us, with 2 233 us (H200, BENCHMARKS.md, "The residual draw from block
+# verification's masses"). residual_mass_kernel reads one.
 MASS_TILES_PER_CHUNK = 2
 NUM_WARPS = 8
 # The statistics pass with tile maxima: a per-tile reduction of 4 tiles costs 8 warps about
@@ -473,19 +473,21 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         sb, bcps, _ = _splits(max(n, min(n_drafts, 32)), plan.vocab_size,
                               MASS_TILES_PER_CHUNK, dev)
         bmass = workspace.scratch("block.mass", (n_drafts, sb), torch.float32, dev)
-        mass = workspace.scratch("block.tile_mass", (n_drafts, nt), torch.float32, dev)
+        tile_mass = workspace.scratch("block.tile_mass", (n_drafts, nt), torch.float32, dev)
         finish(rho_only=True)
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, plan.draft_req, plan.draft_j, plan.k_given, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, mass, nt, bcps, cut_v, cut_i,
+            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, tile_mass, nt, bcps, cut_v, cut_i,
             DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, TPC=MASS_TILES_PER_CHUNK,
             BLOCK=BLOCK, num_warps=warps)
     if not finished:
         finish(rho_only=False)
 
     if plan.has_draft_dist:
-        if not block_mass:
+        if block_mass:
+            mass = tile_mass
+        else:
             mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
             rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
             launch(kernels.residual_mass_kernel)[(n, rs)](
@@ -493,10 +495,13 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
                 plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
                 res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
                 FILTERED=filtered, S_MAX=S_MAX, TPC=1, BLOCK=BLOCK, num_warps=warps)
+        # (block verification: rho_tau from rho_row at the draft row of tau, the value the
+        # tile masses were summed with)
         launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, res_row, res_rho, mass, nt, int(block_mass),
+            dpart_m, dpart_s, dpart_f, ds, res_row, rho_row if block_mass else res_rho, mass,
+            nt, int(block_mass),
             token_ids, k, cut_v, cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs,
             S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     if general:
@@ -726,6 +731,14 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                         verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
                                method=method, strict=False)
                         calls += 2
+                        if method == "block" and "token" not in methods:
+                            # block calls whose k_i are all <= 1 draw their corrections
+                            # from residual_mass_kernel's masses, as token level does
+                            for extra in (dict(draft_logits=dl[:2]),
+                                          dict(draft_probs=probs[:2])):
+                                verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos,
+                                       method=method, strict=False, **extra)
+                            calls += 2
         from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
 
         if select_backend(device) == "triton":

@@ -595,10 +595,12 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     bitmask.
 
     Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
-    ratio rho_j (1 <= j < k) to ``rho_row``, or -1 where Z_j cannot change the accepted
-    length tau = max{j : eta_j <= min(h_j, rho_j)} (eta_j > rho_j, or eta_k <= rho_k);
+    ratio rho_j (j < k) to ``rho_row``, or -1 where Z_j cannot change the accepted length
+    tau = max{j : eta_j <= min(h_j, rho_j)} (eta_j > rho_j, or eta_k <= rho_k) and the row
+    cannot be the residual's (row 0, rho_0 = 1, is kept unless eta_k <= rho_k);
     ``block_mass_kernel`` then sums Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) for the others
-    in parallel over (draft row, split) into ``bmass`` [drafts, SB], which the second run reads.
+    in parallel over (draft row, split) into ``bmass`` [drafts, SB], which the second run
+    reads, and their tile masses, from which ``residual_draw_kernel`` draws at row tau.
 
     With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1]."""
     i = tl.program_id(0)
@@ -769,9 +771,10 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
     """The outputs of ``finish_kernel`` for request ``i``, J_BLOCK positions at a time."""
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
-    # A rejected draft distribution: residual_mass_kernel / residual_draw_kernel draw the
-    # correction from max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level) and
-    # overwrite the token written here.
+    # A rejected draft distribution: residual_draw_kernel draws the correction from
+    # max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level), from the tile masses
+    # of residual_mass_kernel (block verification: block_mass_kernel's), and overwrites the
+    # token written here.
     rejected = (use_dist != 0) & (matching == 0) & ~invalid
     if HAS_DRAFT:
         tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
@@ -884,12 +887,12 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     total = 0.0
     if rho >= 0:
         r = tl.load(row_start_ptr + i) + j
-        t, m, logz, dr2, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+        t, m, logz, d_row, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
             temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
             dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
             S_MAX)
         nc = tl.cdiv(NT, TPC)
-        total = _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr2, dt,
+        total = _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, d_row, dt,
                              dm, dlogz, cut_v, cut_i, s * CPS, tl.minimum(s * CPS + CPS, nc),
                              tmass_ptr, dr, NT, DRAFT_PROBS, TPC, BLOCK)
     tl.store(bmass_ptr + dr.to(tl.int64) * tl.num_programs(1) + s, total)
@@ -906,9 +909,10 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
     when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
-    (``residual_mass_kernel``), or with ``by_draft_row`` mass [drafts, NT] at the draft row of
-    the rejected position (``block_mass_kernel``). Overwrites the correction token (and, with
-    ``lp0``, its logprob: ``finish_kernel``)."""
+    (``residual_mass_kernel``) and rho is res_rho [N]; with ``by_draft_row`` both are read at
+    the draft row of the rejected position: mass [drafts, NT] and rho_row [drafts]
+    (``block_mass_kernel``'s masses and the ratios they were summed with). Overwrites the
+    correction token (and, with ``lp0``, its logprob: ``finish_kernel``)."""
     i = tl.program_id(0)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
@@ -920,7 +924,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
             dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS,
             S_MAX)
-        rho = tl.load(res_rho_ptr + i)
+        rho = tl.load(res_rho_ptr + mrow)
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
         pos = tl.load(pos_ptr + i) + j
