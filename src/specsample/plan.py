@@ -59,9 +59,26 @@ class Plan:
     layout_err: torch.Tensor | None = None  # [N] int64 ERR_NUM_DRAFT_TOKENS bits (device layout)
 
     @functools.cached_property
+    def placeholder_free(self) -> bool:
+        """True when the host knows that the layout comes from host k_i and no draft is a
+        placeholder (-1): then k_eff is k_given and every row is live. The drafts are read
+        on the host only on the CPU (elsewhere that would synchronise): False off the CPU
+        unless there are no drafts."""
+        d = self.draft_token_ids
+        if self.num_draft is None:
+            return False
+        return d.numel() == 0 or (d.device.type == "cpu" and not bool((d == -1).any()))
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """True when every request has K = max_k drafts given (host layout): row r of
+        request i is i (K + 1) + j, its draft i K + j."""
+        return self.num_draft is not None and all(k == self.max_k for k in self.num_draft)
+
+    @functools.cached_property
     def k_eff(self) -> torch.Tensor:
         """[N] int64: drafts before the request's first placeholder (-1), else k_i."""
-        if self.draft_token_ids.numel() == 0:
+        if self.draft_token_ids.numel() == 0 or self.placeholder_free:
             return self.k_given
         first = torch.where(self.draft_token_ids == -1, self.draft_j,
                             self.k_given[self.draft_req])
@@ -72,6 +89,8 @@ class Plan:
     def draft_grid(self) -> torch.Tensor:
         """[N, K] int64: request i's live drafts d_0..d_{k_eff-1}, then -1 (placeholders, pad)."""
         k = self.max_k
+        if self.uniform and self.placeholder_free:
+            return self.draft_token_ids.view(self.num_requests, k)
         j = torch.arange(k, device=self.logits.device)
         if not self.draft_token_ids.numel():
             return torch.full((self.num_requests, k), -1, dtype=torch.int64,

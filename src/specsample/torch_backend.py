@@ -506,9 +506,8 @@ def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
     row_max = plan.logits.amax(dim=-1)
     err = request_errors(plan, row_max)
     invalid = err != 0
-    dead = ~plan.row_live
-    if bool(invalid.any()) or bool(dead.any()):
-        bad_rows = invalid[plan.row_req] | dead
+    if bool(invalid.any()) or not plan.placeholder_free and bool((~plan.row_live).any()):
+        bad_rows = invalid[plan.row_req] | ~plan.row_live
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
@@ -668,8 +667,12 @@ def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
     ``plan.draft_grid`` holds -1 past it, which never matches)."""
     k = plan.max_k
     j = torch.arange(k + 1, device=y.device)
-    rows = (plan.row_start[:, None] + j).clamp_max(plan.num_rows - 1)
-    y_grid = y[rows]
+    if plan.uniform and plan.placeholder_free:  # (rows i (K + 1) + j: views, no gather)
+        rows = torch.arange(plan.num_rows, device=y.device).view(-1, k + 1)
+        y_grid = y.reshape(-1, k + 1)
+    else:
+        rows = (plan.row_start[:, None] + j).clamp_max(plan.num_rows - 1)
+        y_grid = y[rows]
     num_accepted = (plan.draft_grid == y_grid[:, :k]).cumprod(dim=1).sum(dim=1)
     num_accepted = torch.where(invalid, 0, num_accepted)
     emitted = (j <= num_accepted[:, None]) & ~invalid[:, None]
