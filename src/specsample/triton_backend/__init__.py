@@ -406,7 +406,6 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     err = torch.empty(n, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
-    res_rho = workspace.scratch("res_rho", (n,), torch.float32, dev)
     # logprobs = 0 for everyone, from the statistics alone: the finish writes them with the
     # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
     lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
@@ -414,7 +413,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
         lp_i = torch.empty(n, k + 1, 1, dtype=torch.int64, device=dev)
     else:  # (never written; typed as the real ones: one kernel variant)
-        lp_v, lp_i = res_rho, token_ids
+        lp_v, lp_i = workspace.scratch("lp.unwritten", (1,), torch.float32, dev), token_ids
     lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
     # An eager call without filter kernels, draft distributions or top-n logprobs is one launch,
     # which also finishes the requests (``draw_rows``). Top-n logprobs and draft distributions
@@ -426,7 +425,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         draw_rows(x, plan, temp, draft_ids, filtered,
                   rank=fused_logprobs and batch.max_logprobs > 0,
                   finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
-                      plan.row_start, token_ids, num_accepted, err, invalid, res_row, res_rho,
+                      plan.row_start, token_ids, num_accepted, err, invalid, res_row,
                       k, *lp_args))
 
     draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
@@ -452,7 +451,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
             y, stats, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-            token_ids, num_accepted, err, invalid, res_row, res_rho, k, cut_v, cut_i,
+            token_ids, num_accepted, err, invalid, res_row, k, cut_v, cut_i,
             rho_row, bmass, sb, int(filtered), *lp_args, HAS_DRAFT=plan.has_draft_dist,
             DRAFT_PROBS=is_probs, BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX,
             num_warps=4 if not _interpreting(dev) else 1)
@@ -493,15 +492,14 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             launch(kernels.residual_mass_kernel)[(n, rs)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
                 plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
-                res_row, res_rho, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
+                res_row, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
                 FILTERED=filtered, S_MAX=S_MAX, TPC=1, BLOCK=BLOCK, num_warps=warps)
         # (block verification: rho_tau from rho_row at the draft row of tau, the value the
-        # tile masses were summed with)
+        # tile masses were summed with; else rho_tau = 1 and rho_row is not read)
         launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, res_row, rho_row if block_mass else res_rho, mass,
-            nt, int(block_mass),
+            dpart_m, dpart_s, dpart_f, ds, res_row, rho_row, mass, nt, int(block_mass),
             token_ids, k, cut_v, cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs,
             S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
     if general:

@@ -430,7 +430,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                       k_given_ptr, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                       part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, CPS, NT,
                       out_y_ptr, out_stats_ptr, done_ptr, row_start_ptr, out_tok_ptr,
-                      out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
+                      out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                       lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, S_MAX: tl.constexpr,
                       TPC: tl.constexpr, BLOCK: tl.constexpr):
     """:func:`stats_kernel` (logits, with tiles), :func:`sample_kernel` (unfiltered, no tile
@@ -480,7 +480,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                                 k_given_ptr, draft_ids_ptr, out_y_ptr, out_stats_ptr,
                                 part_m_ptr, 0, 1, part_m_ptr, part_s_ptr, part_f_ptr, 1,
                                 out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
-                                res_row_ptr, res_rho_ptr, K, part_m_ptr, part_f_ptr,
+                                res_row_ptr, K, part_m_ptr, part_f_ptr,
                                 part_m_ptr, part_m_ptr, 1, 0, lp_proc_ptr, lp_v_ptr, lp_i_ptr,
                                 lp0, False, False, False, False, S_MAX)
 
@@ -585,7 +585,7 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                   row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr, stats_ptr,
                   d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr,
-                  out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, res_rho_ptr, K,
+                  out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                   cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr,
                   lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
                   BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
@@ -608,7 +608,7 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
                     stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
-                    res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
+                    K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD,
                     RHO_ONLY, S_MAX)
 
@@ -618,7 +618,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
                     stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
-                    res_rho_ptr, K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
+                    K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
                     DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                     RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
@@ -639,7 +639,6 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
     n_acc = k * 0  # accepted drafts
     matching = err + 1  # still accepting (token level / one-hot)
     rho = 1.0  # block: rho_j before draft j
-    rho_tau = 1.0
     tau = k * 0
     emit = err
     res_row = k * 0
@@ -706,7 +705,6 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     acc = is_draft & (j > 0) & (u <= h) & (u <= rho_j)
                     last = tl.max(tl.where(acc, lanes, -1), axis=0)
                     tau = tl.where(last >= 0, c + last, tau)
-                    rho_tau = tl.where(last >= 0, _lane(rho_j, last), rho_tau)
                 if has_k:  # h_k = rho_k
                     tau = tl.where((k > 0) & (_lane(u, lk) <= rho), k, tau)
                     n_acc = tau
@@ -738,8 +736,8 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
             tl.store(rho_row_ptr + dstart + j, -1.0, mask=settled | (j >= k) | (use_dist == 0))
     else:
         _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
-                        rho_tau, y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                        out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, x_ptr, stride, t,
+                        y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                        out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t,
                         stats_ptr, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
                         lp_i_ptr, lp0, HAS_DRAFT)
 
@@ -763,9 +761,9 @@ def _emitted_logprob(x_ptr, stride, r, tok, live, t, stats_ptr, cut_v_ptr, cut_i
 
 
 @triton.jit
-def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row, rho_tau,
+def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
                     y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                    out_invalid_ptr, res_row_ptr, res_rho_ptr, V, K, x_ptr, stride, t, stats_ptr,
+                    out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t, stats_ptr,
                     cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
                     HAS_DRAFT: tl.constexpr):
     """The outputs of ``finish_kernel`` for request ``i``, J_BLOCK positions at a time."""
@@ -773,12 +771,11 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
     n_acc = tl.where(invalid, 0, n_acc)
     # A rejected draft distribution: residual_draw_kernel draws the correction from
     # max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level), from the tile masses
-    # of residual_mass_kernel (block verification: block_mass_kernel's), and overwrites the
-    # token written here.
+    # of residual_mass_kernel (block verification: block_mass_kernel's, and rho_tau from
+    # rho_row), and overwrites the token written here.
     rejected = (use_dist != 0) & (matching == 0) & ~invalid
     if HAS_DRAFT:
         tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
-        tl.store(res_rho_ptr + i, rho_tau)
     emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
     processed = tl.load(lp_proc_ptr + i) != 0
@@ -844,12 +841,14 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                         dpart_f_ptr, DS, res_row_ptr, res_rho_ptr, mass_ptr, NT, CPS, cut_v_ptr,
+                         dpart_f_ptr, DS, res_row_ptr, mass_ptr, NT, CPS, cut_v_ptr,
                          cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                          S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
-    w = max(rho_tau p - q, 0) in each tile of the split's CPS chunks (the rejected target /
-    draft row pair is read once, in parallel over splits). Writes mass [N, NT]."""
+    w = max(p - q, 0) in each tile of the split's CPS chunks (the rejected target / draft row
+    pair is read once, in parallel over splits). Writes mass [N, NT]. (rho_tau is 1: token
+    level, and block verification when no request has two drafts, where a rejected block
+    has tau = 0; other block batches draw from ``block_mass_kernel``'s masses.)"""
     i = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.load(res_row_ptr + i)
@@ -859,8 +858,8 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
             dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
             S_MAX)
         nc = tl.cdiv(NT, TPC)
-        _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.load(res_rho_ptr + i), t, m,
-                     logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
+        _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.full((), 1.0, tl.float32), t,
+                     m, logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
                      tl.minimum(s * CPS + CPS, nc), mass_ptr, i, NT, DRAFT_PROBS, TPC, BLOCK)
 
 
@@ -901,7 +900,7 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 @triton.jit(**_NOSPEC)
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                         DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, res_rho_ptr,
+                         DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, rho_row_ptr,
                          mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
                          filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
                          DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
@@ -909,8 +908,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
     when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
-    (``residual_mass_kernel``) and rho is res_rho [N]; with ``by_draft_row`` both are read at
-    the draft row of the rejected position: mass [drafts, NT] and rho_row [drafts]
+    (``residual_mass_kernel``) and rho_tau is 1; with ``by_draft_row`` both are read at the
+    draft row of the rejected position: mass [drafts, NT] and rho_row [drafts]
     (``block_mass_kernel``'s masses and the ratios they were summed with). Overwrites the
     correction token (and, with ``lp0``, its logprob: ``finish_kernel``)."""
     i = tl.program_id(0)
@@ -924,7 +923,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
             temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
             dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS,
             S_MAX)
-        rho = tl.load(res_rho_ptr + mrow)
+        rho = tl.load(rho_row_ptr + mrow, mask=by_draft_row != 0, other=1.0)
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
         pos = tl.load(pos_ptr + i) + j
