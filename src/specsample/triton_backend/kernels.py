@@ -572,13 +572,9 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 
 @triton.jit
 def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr, live):
-    if DRAFT_PROBS:
-        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, True, -float("inf"),
-                     2147483647, live)
-    else:
-        q = _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, False, -float("inf"),
-                     2147483647, live)
-    return q
+    """q(tok) of draft rows ``dr`` (:func:`_prob_at` with no filter cut)."""
+    return _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, DRAFT_PROBS, -float("inf"),
+                    2147483647, live)
 
 
 @triton.jit(**_NOSPEC)
