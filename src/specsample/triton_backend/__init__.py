@@ -274,7 +274,8 @@ def separate_launches():
 
 
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
-              filtered: bool, rank: bool = False, finish: tuple | None = None):
+              filtered: bool, rank: bool = False, finish: tuple | None = None,
+              draft: tuple | None = None):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
     (``row_j <= k_eff`` of its request): x [R, V] the rows (model dtype, or the general path's
     float32 processed logits with ``temp`` all ones), temp [N] float32, draft_ids [>= max
@@ -286,7 +287,10 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     top-n logprobs), not ``filtered``, on an eager call (:func:`one_launch`): one launch
     (``kernels.stats_draw_kernel``: the last split program of a row draws it, the last live
     row of a request finishes it). Otherwise the statistics, the filter kernels when
-    filtered, then ``kernels.sample_kernel``; the caller launches the finish.
+    filtered, then ``kernels.sample_kernel``; the caller launches the finish. With ``draft``
+    ((part_m, part_s, part_f) of the draft rows' statistics pass, its split count, the [D, 3]
+    float32 buffer to fill, whether they are probabilities), ``sample_kernel`` also combines
+    the draft rows' splits into that buffer (``finish`` must then be None).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
@@ -325,12 +329,14 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     if filtered:
         cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
                                     tiles, nt)
+    dparts, ds, dstats, draft_probs = draft or ((part_m, part_s, part_f), 1, stats, None)
     if rows:
         launch(kernels.sample_kernel)[(rows,)](
             x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
             plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
             part_m, part_s, part_f, tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i,
-            tiles[2], batch.logprobs_n, *(ranking or (y, stats)), FILTERED=filtered, RANK=rank,
+            tiles[2], batch.logprobs_n, *(ranking or (y, stats)), *dparts, ds, dstats,
+            {None: 0, False: 1, True: 2}[draft_probs], FILTERED=filtered, RANK=rank,
             NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, S_MAX=S_MAX,
             TPC=_tiles_per_chunk(dev), BLOCK=BLOCK, num_warps=NUM_WARPS if not interp else 1)
     return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, False
@@ -421,24 +427,28 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     # (with draft logits the single launch saved no measurable host time), and their variants
     # of the single launch made warmup compile 212 variants instead of 192 (22.8 s on a fresh
     # cache, against issue 16's 15 s).
+    draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
+    is_probs = plan.draft_probs is not None
+    draft_rows = None
+    if draft is not None:
+        # The draft rows' statistics first: the sampling kernel combines their splits into
+        # dstats, which the finish and the residual kernels read.
+        draft = _contiguous_rows(draft, "draft")
+        (*dparts, _), (ds, _, _) = _launch_stats(
+            draft, plan, plan.draft_req, plan.draft_j, draft_ids, 0, req_temp,
+            is_probs=is_probs, write_tiles=False, name="draft")
+        dstats = workspace.scratch("draft.stats", (max(plan.draft_token_ids.numel(), 1), 3),
+                                   torch.float32, dev)
+        draft_rows = (dparts, ds, dstats, is_probs)
+        dstride, dv = draft.stride(0), draft.shape[1]
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, finished = \
         draw_rows(x, plan, temp, draft_ids, filtered,
                   rank=fused_logprobs and batch.max_logprobs > 0,
                   finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
                       plan.row_start, token_ids, num_accepted, err, invalid, res_row,
-                      k, *lp_args))
-
-    draft = plan.draft_logits if plan.draft_logits is not None else plan.draft_probs
-    is_probs = plan.draft_probs is not None
-    if draft is not None:
-        draft = _contiguous_rows(draft, "draft")
-        (dpart_m, dpart_s, dpart_f, _), (ds, _, _) = _launch_stats(
-            draft, plan, plan.draft_req, plan.draft_j, draft_ids, 0, req_temp,
-            is_probs=is_probs, write_tiles=False, name="draft")
-        dstride, dv = draft.stride(0), draft.shape[1]
-    else:
-        draft, dstride, dv, ds = part_m, 0, 1, 1
-        dpart_m, dpart_s, dpart_f = part_m, part_s, part_f
+                      k, *lp_args), draft=draft_rows)
+    if draft is None:  # (never read: no draft distribution)
+        draft, dstride, dv, dstats = part_m, 0, 1, stats
 
     rows = plan.num_rows
     warps = NUM_WARPS if not _interpreting(dev) else 1
@@ -450,7 +460,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         launch(kernels.finish_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
-            y, stats, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
+            y, stats, draft, dstride, dv, dstats,
             token_ids, num_accepted, err, invalid, res_row, k, cut_v, cut_i,
             rho_row, bmass, sb, int(filtered), *lp_args, HAS_DRAFT=plan.has_draft_dist,
             DRAFT_PROBS=is_probs, BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX,
@@ -477,8 +487,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, plan.draft_req, plan.draft_j, plan.k_given, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, rho_row, bmass, tile_mass, nt, bcps, cut_v, cut_i,
-            DRAFT_PROBS=is_probs, FILTERED=filtered, S_MAX=S_MAX, TPC=MASS_TILES_PER_CHUNK,
+            dstats, rho_row, bmass, tile_mass, nt, bcps, cut_v, cut_i,
+            DRAFT_PROBS=is_probs, FILTERED=filtered, TPC=MASS_TILES_PER_CHUNK,
             BLOCK=BLOCK, num_warps=warps)
     if not finished:
         finish(rho_only=False)
@@ -491,17 +501,17 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
             launch(kernels.residual_mass_kernel)[(n, rs)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
-                plan.draft_start, draft, dstride, dv, dpart_m, dpart_s, dpart_f, ds,
+                plan.draft_start, draft, dstride, dv, dstats,
                 res_row, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
-                FILTERED=filtered, S_MAX=S_MAX, TPC=1, BLOCK=BLOCK, num_warps=warps)
+                FILTERED=filtered, TPC=1, BLOCK=BLOCK, num_warps=warps)
         # (block verification: rho_tau from rho_row at the draft row of tau, the value the
         # tile masses were summed with; else rho_tau = 1 and rho_row is not read)
         launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dpart_m, dpart_s, dpart_f, ds, res_row, rho_row, mass, nt, int(block_mass),
+            dstats, res_row, rho_row, mass, nt, int(block_mass),
             token_ids, k, cut_v, cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs,
-            S_MAX=S_MAX, BLOCK=BLOCK, num_warps=warps)
+            BLOCK=BLOCK, num_warps=warps)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
         # The processing sanitised the rows of requests it found invalid (NaN / inf logits,

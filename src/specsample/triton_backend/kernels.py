@@ -54,7 +54,7 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
 _NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB",
-                                   "filtered", "lp0", "by_draft_row"])
+                                   "filtered", "lp0", "by_draft_row", "draft_kind"])
 J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
 
@@ -252,11 +252,11 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
 
 
 @triton.jit
-def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
-               IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
+def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, IS_PROBS, S_MAX: tl.constexpr):
     """Combine row ``r``'s splits: (max, log-normaliser, flags).
 
-    For logits the normaliser is log sum exp((x - max) / t); for probabilities log sum x.
+    For logits the normaliser is log sum exp((x - max) / t); for probabilities (``IS_PROBS``,
+    a constant or a runtime flag) log sum x.
     """
     offs = tl.arange(0, S_MAX)
     o = r.to(tl.int64) * S + offs
@@ -265,38 +265,25 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t,
     ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
     pf = tl.load(part_f_ptr + o, mask=ok, other=0)
     m = tl.max(pm, axis=0)
-    logz, flags = _combine_splits(pm, ps, pf, m, t, 0, IS_PROBS)
-    return m, logz, flags
-
-
-@triton.jit
-def _rows_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, live, S, t,
-                IS_PROBS: tl.constexpr, S_MAX: tl.constexpr):
-    """:func:`_row_stats` of the rows ``r`` [J] where ``live`` [J] (else max -inf, flags 0),
-    with one load of their splits: ([J] max, [J] log-normaliser, [J] flags)."""
-    offs = tl.arange(0, S_MAX)[None, :]
-    o = r.to(tl.int64)[:, None] * S + offs
-    ok = live[:, None] & (offs < S)
-    pm = tl.load(part_m_ptr + o, mask=ok, other=-float("inf"))
-    ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
-    pf = tl.load(part_f_ptr + o, mask=ok, other=0)
-    m = tl.max(pm, axis=1)
-    logz, flags = _combine_splits(pm, ps, pf, m[:, None], t, 1, IS_PROBS)
-    return m, logz, flags
-
-
-@triton.jit
-def _combine_splits(pm, ps, pf, m, t, AXIS: tl.constexpr, IS_PROBS: tl.constexpr):
-    """(log-normaliser, flags) of split statistics ``pm`` / ``ps`` / ``pf`` reduced over
-    ``AXIS``, ``m`` their maximum (broadcastable against ``pm``)."""
     if IS_PROBS:
-        total = tl.sum(ps, axis=AXIS)
+        total = tl.sum(ps, axis=0)
     else:
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)),
-                       axis=AXIS)
-    flags = tl.max(pf & FLAG_BAD, axis=AXIS) | tl.max(pf & FLAG_FINITE, axis=AXIS)
-    return tl.log(total), flags
+                       axis=0)
+    flags = tl.max(pf & FLAG_BAD, axis=0) | tl.max(pf & FLAG_FINITE, axis=0)
+    return m, tl.log(total), flags
+
+
+@triton.jit
+def _draft_stats(dstats_ptr, dr, live):
+    """(max, log-normaliser, flags) of draft rows ``dr`` (a scalar or a vector, read where
+    ``live``) from ``sample_kernel``'s dstats [drafts, 3]."""
+    o = dr.to(tl.int64) * 3
+    dm = tl.load(dstats_ptr + o, mask=live, other=-float("inf"))
+    dlogz = tl.load(dstats_ptr + o + 1, mask=live, other=-float("inf"))
+    dflags = tl.load(dstats_ptr + o + 2, mask=live, other=0.0).to(tl.int32)
+    return dm, dlogz, dflags
 
 
 @triton.jit
@@ -404,6 +391,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr,
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
                   cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr,
+                  dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, dstats_ptr, draft_kind,
                   FILTERED: tl.constexpr, RANK: tl.constexpr, NT_SORT: tl.constexpr,
                   NPAD: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
                   BLOCK: tl.constexpr):
@@ -413,11 +401,27 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     FILTERED: the filter kernels (``filters``) ran first; a filtered row's tile sums are the
     survivors', its log-normaliser is taken from them, and its draw is restricted to the cut.
     RANK: rows of requests that ask for top-n logprobs also rank their tiles
-    (``logprobs.rank_tiles``)."""
+    (``logprobs.rank_tiles``).
+    ``draft_kind`` 1 (draft logits) or 2 (draft probabilities): the statistics pass of the
+    draft rows ran first; the program of target row j of a request also combines the splits of
+    its draft row j (j < k_given) into dstats [drafts, 3] = (max, log-normaliser, flags) at the
+    request's temperature (probabilities: log of the plain sum), which the finish and the
+    residual kernels read: one combine per draft row instead of one in every kernel that
+    reads the row. A runtime flag, not a constant: no sampling-kernel variants of its own."""
     r = tl.program_id(0)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
+    if draft_kind != 0:
+        if j < tl.load(k_given_ptr + req):
+            dr = tl.load(draft_start_ptr + req) + j
+            dt = tl.load(req_temp_ptr + req)
+            dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS,
+                                           tl.where(dt > 0, dt, 1.0), draft_kind == 2, S_MAX)
+            o = dr.to(tl.int64) * 3
+            tl.store(dstats_ptr + o, dm)
+            tl.store(dstats_ptr + o + 1, dlogz)
+            tl.store(dstats_ptr + o + 2, dflags.to(tl.float32))
     _draw_row(x_ptr, stride, V, r, req, j, live, tl.load(temp_ptr + req), req_temp_ptr,
               seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
               tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr,
@@ -478,7 +482,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                 _finish_request(req, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
                                 seed_hi_ptr, pos_ptr, row_start_ptr, draft_start_ptr,
                                 k_given_ptr, draft_ids_ptr, out_y_ptr, out_stats_ptr,
-                                part_m_ptr, 0, 1, part_m_ptr, part_s_ptr, part_f_ptr, 1,
+                                part_m_ptr, 0, 1, part_m_ptr,
                                 out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
                                 res_row_ptr, K, part_m_ptr, part_f_ptr,
                                 part_m_ptr, part_m_ptr, 1, 0, lp_proc_ptr, lp_v_ptr, lp_i_ptr,
@@ -580,7 +584,7 @@ def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.cons
 @triton.jit(**_NOSPEC)
 def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
                   row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr, stats_ptr,
-                  d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, out_tok_ptr,
+                  d_ptr, dstride, DV, dstats_ptr, out_tok_ptr,
                   out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                   cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr,
                   lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
@@ -602,7 +606,7 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     i = tl.program_id(0)
     _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
-                    stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                    stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD,
@@ -612,7 +616,7 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
 @triton.jit
 def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
-                    stats_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS,
+                    stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
@@ -662,8 +666,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
         dm = tl.zeros([J_BLOCK], tl.float32)
         dlogz = dm
         if HAS_DRAFT:
-            dm, dlogz, dflags = _rows_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, is_draft,
-                                            DS, dt, DRAFT_PROBS, S_MAX)
+            dm, dlogz, dflags = _draft_stats(dstats_ptr, dr, is_draft)
             dbad = ((dflags & FLAG_BAD) != 0) | ((dflags & FLAG_FINITE) == 0)
             if DRAFT_PROBS:
                 dbad = dbad | ~(dlogz > -float("inf"))
@@ -796,8 +799,7 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
 
 @triton.jit
 def _pair_stats(temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr,
-                dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered,
-                DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr):
+                dstats_ptr, i, r, cut_v_ptr, cut_i_ptr, filtered):
     """What the residual weights of request ``i``'s target row ``r`` and its draft row need:
     (t, max, log-normaliser, draft row, draft t, draft max, draft log-normaliser, cut value,
     cut id). Read once per row pair, outside the loops over its tiles."""
@@ -808,8 +810,7 @@ def _pair_stats(temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_pt
     m = tl.load(stats_ptr + r * 3)
     logz = tl.load(stats_ptr + r * 3 + 1)
     dr = tl.load(draft_start_ptr + i) + (r - tl.load(row_start_ptr + i))
-    dm, dlogz, dflags = _row_stats(dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, dr, DS, dt,
-                                   DRAFT_PROBS, S_MAX)
+    dm, dlogz, _ = _draft_stats(dstats_ptr, dr, True)
     cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
     return t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i
 
@@ -836,10 +837,9 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
 
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                         draft_start_ptr, d_ptr, dstride, DV, dpart_m_ptr, dpart_s_ptr,
-                         dpart_f_ptr, DS, res_row_ptr, mass_ptr, NT, CPS, cut_v_ptr,
-                         cut_i_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                         S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                         draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, res_row_ptr,
+                         mass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
+                         FILTERED: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
     w = max(p - q, 0) in each tile of the split's CPS chunks (the rejected target / draft row
     pair is read once, in parallel over splits). Writes mass [N, NT]. (rho_tau is 1: token
@@ -850,9 +850,8 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
-            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
-            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
-            S_MAX)
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
+            r, cut_v_ptr, cut_i_ptr, FILTERED)
         nc = tl.cdiv(NT, TPC)
         _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.full((), 1.0, tl.float32), t,
                      m, logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
@@ -862,9 +861,9 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
 @triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                       draft_start_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, d_ptr, dstride,
-                      DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, rho_row_ptr, bmass_ptr,
+                      DV, dstats_ptr, rho_row_ptr, bmass_ptr,
                       tmass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
-                      FILTERED: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+                      FILTERED: tl.constexpr, TPC: tl.constexpr,
                       BLOCK: tl.constexpr):
     """Per (draft row, split of CPS chunks): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
@@ -883,9 +882,8 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     if rho >= 0:
         r = tl.load(row_start_ptr + i) + j
         t, m, logz, d_row, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
-            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
-            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, FILTERED, DRAFT_PROBS,
-            S_MAX)
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
+            r, cut_v_ptr, cut_i_ptr, FILTERED)
         nc = tl.cdiv(NT, TPC)
         total = _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, d_row, dt,
                              dm, dlogz, cut_v, cut_i, s * CPS, tl.minimum(s * CPS + CPS, nc),
@@ -896,10 +894,10 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 @triton.jit(**_NOSPEC)
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                         DV, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, res_row_ptr, rho_row_ptr,
+                         DV, dstats_ptr, res_row_ptr, rho_row_ptr,
                          mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
                          filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
-                         DRAFT_PROBS: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                         DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
@@ -916,9 +914,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
         # the row pair's statistics, loaded while the tile masses are
         t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
-            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dpart_m_ptr,
-            dpart_s_ptr, dpart_f_ptr, DS, i, r, cut_v_ptr, cut_i_ptr, filtered, DRAFT_PROBS,
-            S_MAX)
+            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
+            r, cut_v_ptr, cut_i_ptr, filtered)
         rho = tl.load(rho_row_ptr + mrow, mask=by_draft_row != 0, other=1.0)
         seed_lo = tl.load(seed_lo_ptr + i)
         seed_hi = tl.load(seed_hi_ptr + i)
