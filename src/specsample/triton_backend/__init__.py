@@ -104,23 +104,37 @@ def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int,
     return s, cps, nt
 
 
-def _launch_stats(x: torch.Tensor, plan: Plan, row_req, row_j, draft_ids, live_extra: int,
-                  temp, *, is_probs: bool, write_tiles: bool, write_top: bool = False,
-                  name: str = "target"):
+def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bool,
+                  draft: tuple | None = None):
+    """The statistics pass (``kernels.stats_kernel``) of the target rows x [R, V] and, with
+    ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities), in the same
+    launch, of the draft rows at the request temperatures. Returns ((part_m, part_s, part_f),
+    tiles, (S, CPS, NT)) of the target rows and ((part_m, part_s, part_f), DS) of the draft
+    rows (None without ``draft``)."""
     rows, vocab = x.shape
     dev = x.device
-    s, cps, nt = _splits(rows, vocab, _tiles_per_chunk(dev), dev)
-    part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, write_tiles, name, dev)
+    tpc = _tiles_per_chunk(dev)
+    s, cps, nt = _splits(rows, vocab, tpc, dev)
+    part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
+    d, dstride, dv, drows, ds, dcps, dparts = x, x.stride(0), vocab, 0, s, cps, None
+    row_req, row_j = plan.row_req, plan.row_j
+    if draft is not None:
+        d, is_probs = draft
+        drows, dv = d.shape
+        dstride = d.stride(0)
+        ds, dcps, _ = _splits(drows, dv, tpc, dev)
+        dparts = _stats_buffers(drows, ds, 1, False, "draft", dev)[:3]
+        row_req, row_j = plan.draft_req, plan.draft_j
     if rows:
-        launch(kernels.stats_kernel)[(rows, s)](
-            x, x.stride(0), vocab, row_req, row_j, draft_ids, plan.draft_start, plan.k_given,
-            live_extra, temp,
-            part_m, part_s, part_f, tiles[0], tiles[1], tiles[2], s, cps, nt,
-            IS_PROBS=is_probs, WRITE_TILES=write_tiles, WRITE_TOP=write_top,
-            TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
+        launch(kernels.stats_kernel)[(rows + drows, max(s, ds))](
+            x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
+            plan.k_given, temp, part_m, part_s, part_f, tiles[0], tiles[1], tiles[2], s, cps,
+            nt, rows, d, dstride, dv, row_req, row_j, plan.batch.temperature,
+            *(dparts or (part_m, part_s, part_f)), ds, dcps, WRITE_TOP=write_top,
+            DRAFT=0 if draft is None else 1 + int(is_probs), TPC=tpc, BLOCK=BLOCK,
             num_warps=(TOP_NUM_WARPS if write_top else NUM_WARPS)
             if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_f, tiles), (s, cps, nt)
+    return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds) if draft else None
 
 
 def _stats_buffers(rows: int, s: int, nt: int, write_tiles: bool, name: str,
@@ -288,9 +302,10 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     (``kernels.stats_draw_kernel``: the last split program of a row draws it, the last live
     row of a request finishes it). Otherwise the statistics, the filter kernels when
     filtered, then ``kernels.sample_kernel``; the caller launches the finish. With ``draft``
-    ((part_m, part_s, part_f) of the draft rows' statistics pass, its split count, the [D, 3]
-    float32 buffer to fill, whether they are probabilities), ``sample_kernel`` also combines
-    the draft rows' splits into that buffer (``finish`` must then be None).
+    ((draft [D, DV] logits or probabilities, whether probabilities, a [D, 3] float32
+    buffer); ``finish`` must then be None), the statistics launch covers the draft rows too,
+    and ``sample_kernel`` combines their splits into that buffer (max, log-normaliser,
+    flags).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
@@ -321,22 +336,24 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                 **({"num_warps": 1} if interp else
                    {"num_warps": NUM_WARPS, "maxnreg": FUSED_MAXNREG}))
         return (part_m, part_s, part_f), tiles, nt, y, stats, (part_m, part_f), ranking, True
-    (part_m, part_s, part_f, tiles), (s, _cps, nt) = _launch_stats(
-        x, plan, plan.row_req, plan.row_j, draft_ids, 1, temp, is_probs=False,
-        write_tiles=True, write_top=filtered or rank)
+    (part_m, part_s, part_f), tiles, (s, _cps, nt), draft_parts = _launch_stats(
+        x, plan, draft_ids, temp, write_top=filtered or rank,
+        draft=None if draft is None else draft[:2])
     # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
     cut_v, cut_i = part_m, part_f
     if filtered:
         cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
                                     tiles, nt)
-    dparts, ds, dstats, draft_probs = draft or ((part_m, part_s, part_f), 1, stats, None)
+    dparts, ds = draft_parts or ((part_m, part_s, part_f), 1)
+    dstats = stats if draft is None else draft[2]
+    draft_kind = 0 if draft is None else 1 + int(draft[1])
     if rows:
         launch(kernels.sample_kernel)[(rows,)](
             x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
             plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
             part_m, part_s, part_f, tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i,
             tiles[2], batch.logprobs_n, *(ranking or (y, stats)), *dparts, ds, dstats,
-            {None: 0, False: 1, True: 2}[draft_probs], FILTERED=filtered, RANK=rank,
+            draft_kind, FILTERED=filtered, RANK=rank,
             NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, S_MAX=S_MAX,
             TPC=_tiles_per_chunk(dev), BLOCK=BLOCK, num_warps=NUM_WARPS if not interp else 1)
     return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, False
@@ -431,15 +448,12 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     is_probs = plan.draft_probs is not None
     draft_rows = None
     if draft is not None:
-        # The draft rows' statistics first: the sampling kernel combines their splits into
-        # dstats, which the finish and the residual kernels read.
+        # The draft rows' statistics in the target rows' launch; the sampling kernel
+        # combines their splits into dstats, which the finish and the residual kernels read.
         draft = _contiguous_rows(draft, "draft")
-        (*dparts, _), (ds, _, _) = _launch_stats(
-            draft, plan, plan.draft_req, plan.draft_j, draft_ids, 0, req_temp,
-            is_probs=is_probs, write_tiles=False, name="draft")
         dstats = workspace.scratch("draft.stats", (max(plan.draft_token_ids.numel(), 1), 3),
                                    torch.float32, dev)
-        draft_rows = (dparts, ds, dstats, is_probs)
+        draft_rows = (draft, is_probs, dstats)
         dstride, dv = draft.stride(0), draft.shape[1]
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, finished = \
         draw_rows(x, plan, temp, draft_ids, filtered,

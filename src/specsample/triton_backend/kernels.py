@@ -53,7 +53,7 @@ ERR_DRAFT_ROW = tl.constexpr(8)
 # (no recompilation when they change). Row strides and vocabulary sizes stay specialised: their
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
-_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "live_extra", "K", "DS", "SB",
+_NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "R", "K", "DS", "DCPS", "SB",
                                    "filtered", "lp0", "by_draft_row", "draft_kind"])
 J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
@@ -162,30 +162,63 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, LANES: tl.constexpr
 
 @triton.jit(**_NOSPEC)
 def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
-                 k_given_ptr, live_extra, temp_ptr,
-                 part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr,
-                 S, CPS, NT, IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr,
-                 WRITE_TOP: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                 k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
+                 tilesum_ptr, tiletop_ptr, S, CPS, NT, R, d_ptr, dstride, DV, draft_req_ptr,
+                 draft_j_ptr, req_temp_ptr, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, DCPS,
+                 WRITE_TOP: tl.constexpr, DRAFT: tl.constexpr, TPC: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
-    probabilities) and flags; with WRITE_TILES, per tile a reference ``ref`` (the max of its
-    chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
+    probabilities) and flags; for the R target rows also, per tile, a reference ``ref`` (the
+    max of its chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
     (ref - max) / T + log(sum), and with WRITE_TOP the tile's own maximum (the filter
     kernels' search bounds, the top-n logprobs' tile ranking; the chunk's maximum is then
     taken from the tiles', but the per-tile reduction still costs about 10% more shuffles
     than one of the whole chunk). A split covers CPS chunks: one load of TPC * BLOCK elements per
     iteration, about five instructions per element (convert, max, FMA, exp2, add). Errors need
     no per-element test for logits: a NaN or +inf makes the sum NaN, and a row with no finite
-    value has max -inf. Rows past the request's live range (``j >= k_eff + live_extra``) are
-    not read."""
+    value has max -inf. Rows past the request's live range (target ``j > k_eff``, draft
+    ``j >= k_eff``) are not read.
+
+    DRAFT 1 (draft logits) or 2 (draft probabilities): programs R.. of the grid's first axis
+    do the same for the draft rows (``d_ptr`` [D, DV], DS splits of DCPS chunks, at the
+    request temperature ``req_temp``; no tiles), so target and draft rows take one launch
+    (grid (R + D, max(S, DS)); a program past its row's split count does nothing)."""
     r = tl.program_id(0)
     s = tl.program_id(1)
+    if DRAFT != 0:
+        if r >= R:
+            dr = r - R
+            req = tl.load(draft_req_ptr + dr)
+            j = tl.load(draft_j_ptr + dr)
+            live = (s < DS) & (j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req,
+                                          DRAFT == 2))
+            _split_stats(d_ptr, dstride, DV, dr, s, live, tl.load(req_temp_ptr + req),
+                         dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, tilemax_ptr, tilesum_ptr,
+                         tiletop_ptr, DS, DCPS, NT, DRAFT == 2, False, False, TPC, BLOCK)
+        else:
+            _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
+                                draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr,
+                                part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
+                                tiletop_ptr, S, CPS, NT, WRITE_TOP, TPC, BLOCK)
+    else:
+        _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
+                            draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr,
+                            part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
+                            WRITE_TOP, TPC, BLOCK)
+
+
+@triton.jit
+def _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
+                        draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr,
+                        part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
+                        WRITE_TOP: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`stats_kernel`'s work for split ``s`` of target row ``r``."""
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    live = j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, IS_PROBS) + live_extra
-    t = tl.load(temp_ptr + req)
-    _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
-                 tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS, WRITE_TILES,
-                 WRITE_TOP, TPC, BLOCK)
+    live = (s < S) & (j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False))
+    _split_stats(x_ptr, stride, V, r, s, live, tl.load(temp_ptr + req), part_m_ptr,
+                 part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
+                 False, True, WRITE_TOP, TPC, BLOCK)
 
 
 @triton.jit
@@ -246,9 +279,10 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
         bad = (acc != acc) | (m == float("inf"))
         flags = tl.where(bad, FLAG_BAD, 0) | tl.where(m > -float("inf"), FLAG_FINITE, 0)
     o = r.to(tl.int64) * S + s
-    tl.store(part_m_ptr + o, m)
-    tl.store(part_s_ptr + o, acc)
-    tl.store(part_f_ptr + o, flags)
+    ok = s < S  # (stats_kernel's grid may have more splits than this row)
+    tl.store(part_m_ptr + o, m, mask=ok)
+    tl.store(part_s_ptr + o, acc, mask=ok)
+    tl.store(part_f_ptr + o, flags, mask=ok)
 
 
 @triton.jit
