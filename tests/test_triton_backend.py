@@ -476,6 +476,28 @@ def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, on
         assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
 
 
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("processors", [False, "filters"])
+def test_draft_probs_statistics_apart(monkeypatch, method, processors):
+    """Draft probabilities of more than ``MERGED_PROBS_MAX_ROWS`` rows take a statistics
+    launch of their own, fewer share the target rows' launch (draft rows first); both give
+    the torch backend's outputs (fails if either launch is skipped or reads the wrong rows),
+    with a draft vocabulary narrower than the target's (its own splits)."""
+    monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
+    logits, d, ks, batch, pos, extra = _case(8, 9, 2100, torch.bfloat16, "draft_probs",
+                                             draft_vocab=1500, processors=processors)
+    drows = extra["draft_probs"].shape[0]
+    assert drows > 8
+    for limit, apart in ((drows - 1, True), (drows, False)):
+        monkeypatch.setattr(triton_backend, "MERGED_PROBS_MAX_ROWS", limit)
+        _compare(logits, d, ks, batch, pos, extra, method)
+        counts = paths.counts()
+        assert ("triton.stats.draft_probs_apart" in counts) == apart
+        if apart:
+            assert counts["triton.stats.draft_probs_apart"]["rows"] == drows
+
+
+
 @pytest.mark.parametrize("counts", ["ok", "request_error", "batch_error", "negative"])
 def test_one_launch_with_device_layouts(monkeypatch, counts):
     # Device num_draft_tokens: rows laid out on the device, with a request whose count

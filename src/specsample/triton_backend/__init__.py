@@ -28,6 +28,10 @@ Paths (``specsample.paths``):
   PyTorch first, qualifies), no draft distributions, no top-n logprobs, not under graph
   capture (:func:`one_launch`). Other calls take the separate statistics / sampling / finish
   launches and are not counted here.
+* ``triton.stats.draft_probs_apart``: draft probabilities of more than
+  ``MERGED_PROBS_MAX_ROWS`` (64) rows, whose statistics took a launch of their own (rows:
+  the draft rows); draft logits, and fewer rows of probabilities, share the target rows'
+  statistics launch.
 
 On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
 before triton is imported); that is how the CPU test suite runs them.
@@ -104,37 +108,54 @@ def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int,
     return s, cps, nt
 
 
+# Draft probabilities (float32, twice the bytes of a bf16 row) share the target rows' launch
+# only up to this many draft rows: in one launch B = 128 (512 draft rows) took 236 us against
+# 214 us in two, B = 32 87 against 85 us, while B = 1 took 22.6 against 26.6 us (H200, V =
+# 151,936, K = 4; BENCHMARKS.md). Draft logits share it at every size.
+MERGED_PROBS_MAX_ROWS = 64
+
+
 def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bool,
                   draft: tuple | None = None):
     """The statistics pass (``kernels.stats_kernel``) of the target rows x [R, V] and, with
-    ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities), in the same
-    launch, of the draft rows at the request temperatures. Returns ((part_m, part_s, part_f),
-    tiles, (S, CPS, NT)) of the target rows and ((part_m, part_s, part_f), DS) of the draft
-    rows (None without ``draft``)."""
+    ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities)), of the draft
+    rows at the request temperatures: in the same launch, except for more than
+    ``MERGED_PROBS_MAX_ROWS`` rows of probabilities (then a launch of their own first).
+    Returns ((part_m, part_s, part_f), tiles, (S, CPS, NT)) of the target rows and
+    ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``)."""
     rows, vocab = x.shape
     dev = x.device
     tpc = _tiles_per_chunk(dev)
+    warps = (TOP_NUM_WARPS if write_top else NUM_WARPS) if not _interpreting(dev) else 1
     s, cps, nt = _splits(rows, vocab, tpc, dev)
     part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
-    d, dstride, dv, drows, ds, dcps, dparts = x, x.stride(0), vocab, 0, s, cps, None
-    row_req, row_j = plan.row_req, plan.row_j
-    if draft is not None:
-        d, is_probs = draft
-        drows, dv = d.shape
-        dstride = d.stride(0)
-        ds, dcps, _ = _splits(drows, dv, tpc, dev)
-        dparts = _stats_buffers(drows, ds, 1, False, "draft", dev)[:3]
-        row_req, row_j = plan.draft_req, plan.draft_j
-    if rows:
-        launch(kernels.stats_kernel)[(rows + drows, max(s, ds))](
-            x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
-            plan.k_given, temp, part_m, part_s, part_f, tiles[0], tiles[1], tiles[2], s, cps,
-            nt, rows, d, dstride, dv, row_req, row_j, plan.batch.temperature,
-            *(dparts or (part_m, part_s, part_f)), ds, dcps, WRITE_TOP=write_top,
-            DRAFT=0 if draft is None else 1 + int(is_probs), TPC=tpc, BLOCK=BLOCK,
-            num_warps=(TOP_NUM_WARPS if write_top else NUM_WARPS)
-            if not _interpreting(dev) else 1)
-    return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds) if draft else None
+    target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
+              plan.k_given, temp, part_m, part_s, part_f, *tiles, s, cps, nt)
+    if draft is None:
+        if rows:
+            launch(kernels.stats_kernel)[(rows, s)](
+                *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
+                part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=tpc, BLOCK=BLOCK,
+                num_warps=warps)
+        return (part_m, part_s, part_f), tiles, (s, cps, nt), None
+    d, is_probs = draft
+    drows, dv = d.shape
+    ds, dcps, _ = _splits(drows, dv, tpc, dev)
+    dparts = _stats_buffers(drows, ds, 1, False, "draft", dev)[:3]
+    merged = not is_probs or drows <= MERGED_PROBS_MAX_ROWS
+    grid = (drows + rows, max(s, ds)) if merged else (drows, ds)
+    launch(kernels.stats_kernel)[grid](
+        *target, drows, d, d.stride(0), dv, plan.draft_req, plan.draft_j,
+        plan.batch.temperature, *dparts, ds, dcps, WRITE_TOP=write_top if merged else False,
+        DRAFT=1 + int(is_probs), TPC=tpc, BLOCK=BLOCK,
+        num_warps=warps if merged else NUM_WARPS if not _interpreting(dev) else 1)
+    if not merged:
+        paths.record("triton.stats.draft_probs_apart", drows)
+        launch(kernels.stats_kernel)[(rows, s)](
+            *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
+            part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=tpc, BLOCK=BLOCK,
+            num_warps=warps)
+    return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds)
 
 
 def _stats_buffers(rows: int, s: int, nt: int, write_tiles: bool, name: str,

@@ -179,15 +179,18 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     value has max -inf. Rows past the request's live range (target ``j > k_eff``, draft
     ``j >= k_eff``) are not read.
 
-    DRAFT 1 (draft logits) or 2 (draft probabilities): programs R.. of the grid's first axis
-    do the same for the draft rows (``d_ptr`` [D, DV], DS splits of DCPS chunks, at the
-    request temperature ``req_temp``; no tiles), so target and draft rows take one launch
-    (grid (R + D, max(S, DS)); a program past its row's split count does nothing)."""
+    DRAFT 1 (draft logits) or 2 (draft probabilities): the first R programs of the grid's
+    first axis do the same for the R draft rows (``d_ptr`` [R, DV], DS splits of DCPS chunks,
+    at the request temperature ``req_temp``; no tiles), the programs after them the target
+    rows, so target and draft rows take one launch (grid (R + target rows, max(S, DS)); a
+    program past its row's split count does nothing). The draft rows first: at B = 128 with
+    draft logits that was 6 us faster than after the target rows (H200, BENCHMARKS.md).
+    A grid of R rows alone is a launch of draft rows only."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     if DRAFT != 0:
-        if r >= R:
-            dr = r - R
+        if r < R:
+            dr = r
             req = tl.load(draft_req_ptr + dr)
             j = tl.load(draft_j_ptr + dr)
             live = (s < DS) & (j < _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req,
@@ -196,7 +199,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                          dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, tilemax_ptr, tilesum_ptr,
                          tiletop_ptr, DS, DCPS, NT, DRAFT == 2, False, False, TPC, BLOCK)
         else:
-            _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
+            _target_split_stats(x_ptr, stride, V, r - R, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
                                 draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr,
                                 part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
                                 tiletop_ptr, S, CPS, NT, WRITE_TOP, TPC, BLOCK)
