@@ -5,10 +5,12 @@ The stages of a call:
 1. ``stats_kernel`` (grid rows x vocabulary splits): reads each live row once in its own dtype
    and writes, per split, the running max, the sum of exp((x - max) / T) (online softmax), the
    argmax (lowest id) and validity flags; and, per ``rng.TILE``-wide vocabulary tile, the tile's
-   max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass.
+   max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass. Draft logits or
+   probabilities: the draft rows' split statistics in the same launch (no tiles).
 2. ``sample_kernel`` (grid rows): per row, the exact three-level Gumbel-max draw (a tile
    from the tile log-masses, a sub-tile of it, then a token inside that sub-tile: one tile
-   re-read and noise for NT + 16 + 128 values instead of V), or the argmax of a greedy row.
+   re-read and noise for NT + 16 + 128 values instead of V), or the argmax of a greedy row;
+   and the combine of draft row j's splits into its (max, log-normaliser, flags).
 3. ``finish_kernel`` (grid requests): greedy / one-hot prefix matching, token-level rejection
    sampling (Leviathan et al. 2023, Alg. 1) or block verification (Sun et al. 2024, Alg. 2),
    and the outputs; the residual kernels then draw a correction over the rejected row pair
