@@ -482,12 +482,20 @@ def test_draft_probs_statistics_apart(monkeypatch, method, processors):
     """Draft probabilities of more than ``MERGED_PROBS_MAX_ROWS`` rows take a statistics
     launch of their own, fewer share the target rows' launch (draft rows first); both give
     the torch backend's outputs (fails if either launch is skipped or reads the wrong rows),
-    with a draft vocabulary narrower than the target's (its own splits)."""
+    with a draft vocabulary narrower than the target's and split counts that differ, so the
+    shared grid has programs past the draft rows' splits (which must not store)."""
     monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
-    logits, d, ks, batch, pos, extra = _case(8, 9, 2100, torch.bfloat16, "draft_probs",
-                                             draft_vocab=1500, processors=processors)
+    # (two chunks of tiles for the target rows, one for the draft rows: 2 tiles per chunk in
+    # the interpreter, 4 on a GPU)
+    vocab, dvocab = (4100, 2048) if DEVICE == "cpu" else (8197, 4100)
+    logits, d, ks, batch, pos, extra = _case(8, 9, vocab, torch.bfloat16, "draft_probs",
+                                             draft_vocab=dvocab, processors=processors)
     drows = extra["draft_probs"].shape[0]
     assert drows > 8
+    tpc = triton_backend._tiles_per_chunk(logits.device)
+    s = triton_backend._splits(logits.shape[0], vocab, tpc, logits.device)[0]
+    ds = triton_backend._splits(drows, dvocab, tpc, logits.device)[0]
+    assert s != ds and min(s, ds) >= 1, (s, ds)
     for limit, apart in ((drows - 1, True), (drows, False)):
         monkeypatch.setattr(triton_backend, "MERGED_PROBS_MAX_ROWS", limit)
         _compare(logits, d, ks, batch, pos, extra, method)

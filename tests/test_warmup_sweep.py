@@ -55,9 +55,16 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                        logit_bias={4: 1.0}),
                   dict(temperature=0.0, logprobs=2, logprobs_mode="raw",
                        repetition_penalty=1.1)]
+    # (top-n processed logprobs alone on the general path: its rows' statistics with tile
+    # maxima, shared with a draft distribution's rows)
+    general_topn = [dict(temperature=t(), seed=12, logprobs=2, logprobs_mode="processed",
+                         presence_penalty=0.3),
+                    dict(temperature=0.0, logprobs=4, logprobs_mode="processed",
+                         logit_bias={4: 1.0})]
     return {name: [P(**kw) for kw in mix] for name, mix in
             (("plain", plain), ("filters", filters), ("general", general),
-             ("logprobs", logprobs), ("general_lp", general_lp))}
+             ("logprobs", logprobs), ("general_lp", general_lp),
+             ("general_topn", general_topn))}
 
 
 def sweep(vocab: int, dev: str = "cuda", batches=BATCHES, on_compile: str = "raise") -> dict:

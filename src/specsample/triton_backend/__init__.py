@@ -128,7 +128,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     tpc = _tiles_per_chunk(dev)
     warps = (TOP_NUM_WARPS if write_top else NUM_WARPS) if not _interpreting(dev) else 1
     s, cps, nt = _splits(rows, vocab, tpc, dev)
-    part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
+    part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
     target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
               plan.k_given, temp, part_m, part_s, part_f, *tiles, s, cps, nt)
     if draft is None:
@@ -141,7 +141,8 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     d, is_probs = draft
     drows, dv = d.shape
     ds, dcps, _ = _splits(drows, dv, tpc, dev)
-    dparts = _stats_buffers(drows, ds, 1, False, "draft", dev)[:3]
+    dparts = tuple(workspace.scratch(f"draft.part_{n}", (drows, ds), t, dev)
+                   for n, t in (("m", torch.float32), ("s", torch.float32), ("f", torch.int32)))
     merged = not is_probs or drows <= MERGED_PROBS_MAX_ROWS
     grid = (drows + rows, max(s, ds)) if merged else (drows, ds)
     launch(kernels.stats_kernel)[grid](
@@ -158,15 +159,14 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds)
 
 
-def _stats_buffers(rows: int, s: int, nt: int, write_tiles: bool, name: str,
-                   dev: torch.device):
-    """The statistics pass's outputs: per (row, split) max, sum and flags; per (row, tile)
-    reference, sum and maximum (one row of them when not ``write_tiles``)."""
-    part_m = workspace.scratch(name + ".part_m", (rows, s), torch.float32, dev)
-    part_s = workspace.scratch(name + ".part_s", (rows, s), torch.float32, dev)
-    part_f = workspace.scratch(name + ".part_f", (rows, s), torch.int32, dev)
-    tshape = (rows if write_tiles else 1, nt)
-    tiles = [workspace.scratch(f"{name}.tiles{i}", tshape, torch.float32, dev) for i in range(3)]
+def _stats_buffers(rows: int, s: int, nt: int, dev: torch.device):
+    """The target rows' statistics: per (row, split) max, sum and flags; per (row, tile)
+    reference, sum and maximum."""
+    part_m = workspace.scratch("target.part_m", (rows, s), torch.float32, dev)
+    part_s = workspace.scratch("target.part_s", (rows, s), torch.float32, dev)
+    part_f = workspace.scratch("target.part_f", (rows, s), torch.int32, dev)
+    tiles = [workspace.scratch(f"target.tiles{i}", (rows, nt), torch.float32, dev)
+             for i in range(3)]
     return part_m, part_s, part_f, tiles
 
 
@@ -324,15 +324,18 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     row of a request finishes it). Otherwise the statistics, the filter kernels when
     filtered, then ``kernels.sample_kernel``; the caller launches the finish. With ``draft``
     ((draft [D, DV] logits or probabilities, whether probabilities, a [D, 3] float32
-    buffer); ``finish`` must then be None), the statistics launch covers the draft rows too,
-    and ``sample_kernel`` combines their splits into that buffer (max, log-normaliser,
-    flags).
+    buffer); ``finish`` must then be None, else ValueError), the statistics pass covers the
+    draft rows too (:func:`_launch_stats`: in the target rows' launch, or one of their own
+    for many rows of probabilities), and ``sample_kernel`` combines their splits into that
+    buffer (max, log-normaliser, flags).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
     (cut_v, cut_i) the filters' cuts (split statistics when not filtered, which the kernels
     do not read), the ranking ([R, NPAD] int64 tile keys, [R] int32 counts) or None, and
     whether the requests were finished). No host synchronisation."""
+    if draft is not None and finish is not None:
+        raise ValueError("draw_rows: a draft distribution needs the separate finish launch")
     batch, dev, rows = plan.batch, x.device, plan.num_rows
     y = workspace.scratch("y", (rows,), torch.int32, dev)
     stats = workspace.scratch("stats", (rows, 3), torch.float32, dev)
@@ -345,7 +348,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     interp = _interpreting(dev)
     if finish is not None and not filtered and one_launch(dev):
         s, cps, nt = _splits(rows, plan.vocab_size, _tiles_per_chunk(dev), dev)
-        part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, True, "target", dev)
+        part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
         if rows:
             paths.record("triton.one_launch", rows)
             done = workspace.counters("draw", (rows + plan.num_requests,), dev)
@@ -782,6 +785,20 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                                 verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos,
                                        method=method, strict=False, **extra)
                             calls += 2
+                if plist is general and methods:
+                    # top-n processed logprobs on the general path with a draft distribution:
+                    # the statistics pass of its float32 rows with tile maxima, in the launch
+                    # the draft rows share (the method does not change that variant)
+                    lp_batch = SamplingBatch.from_params(
+                        [dataclasses.replace(p, logprobs=2, logprobs_mode="processed")
+                         for p in plist], vocab_size=vocab_size, device=device)
+                    for ddtype in dtypes:
+                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
+                        for extra in (dict(draft_logits=dl),
+                                      dict(draft_probs=torch.softmax(dl.float(), -1).to(ddtype))):
+                            verify(rows, drafts, k, lp_batch, positions=pos, method=methods[0],
+                                   strict=False, **extra)
+                        calls += 2
         from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
 
         if select_backend(device) == "triton":

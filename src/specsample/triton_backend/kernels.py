@@ -6,7 +6,8 @@ The stages of a call:
    and writes, per split, the running max, the sum of exp((x - max) / T) (online softmax), the
    argmax (lowest id) and validity flags; and, per ``rng.TILE``-wide vocabulary tile, the tile's
    max and its sum of exp((x - tile max) / T), i.e. the tile's log-mass. Draft logits or
-   probabilities: the draft rows' split statistics in the same launch (no tiles).
+   probabilities: the draft rows' split statistics (no tiles), in the same launch (more
+   than 64 rows of probabilities: a launch of their own).
 2. ``sample_kernel`` (grid rows): per row, the exact three-level Gumbel-max draw (a tile
    from the tile log-masses, a sub-tile of it, then a token inside that sub-tile: one tile
    re-read and noise for NT + 16 + 128 values instead of V), or the argmax of a greedy row;
