@@ -476,8 +476,7 @@ def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, on
         assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
 
 
-@pytest.mark.parametrize("method", ["token", "block"])
-@pytest.mark.parametrize("processors", [False, "filters"])
+@pytest.mark.parametrize("method, processors", [("token", False), ("block", "filters")])
 def test_draft_probs_statistics_apart(monkeypatch, method, processors):
     """Draft probabilities of more than ``MERGED_PROBS_MAX_ROWS`` rows take a statistics
     launch of their own, fewer share the target rows' launch (draft rows first); both give
