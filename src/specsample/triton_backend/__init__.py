@@ -131,12 +131,16 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
     target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
               plan.k_given, temp, part_m, part_s, part_f, *tiles, s, cps, nt)
-    if draft is None:
+
+    def target_rows():  # (DRAFT=0: the draft arguments are placeholders, never read)
         if rows:
             launch(kernels.stats_kernel)[(rows, s)](
                 *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
                 part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=tpc, BLOCK=BLOCK,
                 num_warps=warps)
+
+    if draft is None:
+        target_rows()
         return (part_m, part_s, part_f), tiles, (s, cps, nt), None
     d, is_probs = draft
     drows, dv = d.shape
@@ -152,10 +156,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
         num_warps=warps if merged else NUM_WARPS if not _interpreting(dev) else 1)
     if not merged:
         paths.record("triton.stats.draft_probs_apart", drows)
-        launch(kernels.stats_kernel)[(rows, s)](
-            *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
-            part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=tpc, BLOCK=BLOCK,
-            num_warps=warps)
+        target_rows()
     return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds)
 
 

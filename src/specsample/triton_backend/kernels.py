@@ -171,7 +171,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  WRITE_TOP: tl.constexpr, DRAFT: tl.constexpr, TPC: tl.constexpr,
                  BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
-    probabilities) and flags; for the R target rows also, per tile, a reference ``ref`` (the
+    probabilities) and flags; for the target rows also, per tile, a reference ``ref`` (the
     max of its chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
     (ref - max) / T + log(sum), and with WRITE_TOP the tile's own maximum (the filter
     kernels' search bounds, the top-n logprobs' tile ranking; the chunk's maximum is then
