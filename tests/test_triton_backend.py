@@ -484,14 +484,13 @@ def test_draft_probs_statistics_apart(monkeypatch, method, processors):
     with a draft vocabulary narrower than the target's and split counts that differ, so the
     shared grid has programs past the draft rows' splits (which must not store)."""
     monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
-    # (two chunks of tiles for the target rows, one for the draft rows: 2 tiles per chunk in
-    # the interpreter, 4 on a GPU)
-    vocab, dvocab = (4100, 2048) if DEVICE == "cpu" else (8197, 4100)
+    # (two chunks of tiles for the target rows, one for the draft rows: 2 tiles per chunk)
+    vocab, dvocab = 4100, 2048
     logits, d, ks, batch, pos, extra = _case(8, 9, vocab, torch.bfloat16, "draft_probs",
                                              draft_vocab=dvocab, processors=processors)
     drows = extra["draft_probs"].shape[0]
     assert drows > 8
-    tpc = triton_backend._tiles_per_chunk(logits.device)
+    tpc = triton_backend.TILES_PER_CHUNK
     s = triton_backend._splits(logits.shape[0], vocab, tpc, logits.device)[0]
     ds = triton_backend._splits(drows, dvocab, tpc, logits.device)[0]
     assert s != ds and min(s, ds) >= 1, (s, ds)

@@ -19,8 +19,8 @@ LLVM and the wheel's ptxas), the others, which differ only in their arguments' t
 the front end (``ASTSource.make_ir``, where type and shape errors are raised), which keeps the
 test near a minute on two cores.
 
-The constexprs that the launchers choose differently when interpreting (``GPU_VALUES``: tiles
-per statistics chunk, the filters' candidate capacity) are compiled with their CUDA values,
+The constexprs that the launchers choose differently when interpreting (``GPU_VALUES``: the
+filters' candidate capacity) are compiled with their CUDA values,
 the ones a GPU compiles. The test skips when triton has no nvidia backend or no ptxas.
 """
 
@@ -51,7 +51,7 @@ from test_triton_logprobs import _with_logprobs  # noqa: E402
 
 KERNEL_MODULES = ["kernels", "filters", "logprobs", "tree", "layout"]
 # constexpr name -> the value the CUDA launcher passes where the interpreted one differs
-GPU_VALUES = {"TPC": triton_backend.TILES_PER_CHUNK, "CAP": triton_backend.FILTER_CAP}
+GPU_VALUES = {"CAP": triton_backend.FILTER_CAP}
 SRC = Path(specsample.__file__).resolve().parents[1]  # the subprocess compiles this copy
 
 # Logprob requests cycled over a batch's requests: (n, mode).

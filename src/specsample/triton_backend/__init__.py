@@ -65,22 +65,28 @@ S_MAX = 128  # most vocabulary splits of one row
 # filter kernel's search runs over the remaining bits only (4 passes for bf16 instead of 8).
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
-TILES_PER_CHUNK = 4  # the stats kernel loads 4 tiles (8192 tokens) per iteration on GPU
+# The statistics pass loads 2 tiles (4,096 tokens) per iteration, with 4 warps a program: at
+# 48 registers ten programs fit on an SM. A study of that pass alone (H200, V = 151,936, bf16;
+# BENCHMARKS.md, "The statistics pass with 4 warps and 2 tiles a chunk") measured it 6-8% faster
+# than 8 warps with 4 tiles (ptxas: 48 registers, five programs an SM) at 640 to 2,080 rows,
+# and as fast as a plain read of the rows; a flattened schedule of equal chunk ranges per
+# program was slower than the hardware's scheduling of (row, split) programs.
+TILES_PER_CHUNK = 2
+# (the sampling kernel and the single launch of eager calls take the same number of warps: their
+# sums then round alike, so eager calls and graph replays give the same logprobs bit for bit)
+STATS_NUM_WARPS = 4
 # block_mass_kernel reads 2 tiles of the target and the draft row per iteration: with 4 the
 # B = 128 call took 246 us, with 2 233 us (H200, BENCHMARKS.md, "The residual draw from block
 # verification's masses"). residual_mass_kernel reads one.
 MASS_TILES_PER_CHUNK = 2
 NUM_WARPS = 8
-# The statistics pass with tile maxima: a per-tile reduction of 4 tiles costs 8 warps about
-# 19% (H200, B = 128: 70.7 against 59.5 us); with 4 warps it takes the plain pass's 59.4 us.
-TOP_NUM_WARPS = 4
 PROGRAMS_PER_SM = 8
 # Registers per thread of ``stats_draw_kernel``. Its draw and finish (Philox, the tile and
-# sub-tile keys) would take 103 registers at 8 warps, the statistics pass alone 48 (ptxas,
-# sm_90); a launch gets the larger, and at 103 two programs of 8 warps fit on an SM instead of
-# five: the B = 128 pass became 10% slower. Capped at 48 (12 bytes of spills, in the draw),
-# the statistics pass keeps its occupancy (BENCHMARKS.md, "One launch for an eager call's
-# unfiltered rows").
+# sub-tile keys) would take 103 registers, the statistics pass alone 48 (ptxas, sm_90, at the
+# 8 warps it then ran with); a launch gets the larger, and at 103 two programs of 8 warps fit
+# on an SM instead of five: the B = 128 pass became 10% slower. Capped at 48 (12 bytes of
+# spills, in the draw), the statistics pass keeps its occupancy (BENCHMARKS.md, "One launch
+# for an eager call's unfiltered rows").
 FUSED_MAXNREG = 48
 _SEPARATE = contextvars.ContextVar("specsample_separate_launches", default=False)
 
@@ -125,8 +131,8 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``)."""
     rows, vocab = x.shape
     dev = x.device
-    tpc = _tiles_per_chunk(dev)
-    warps = (TOP_NUM_WARPS if write_top else NUM_WARPS) if not _interpreting(dev) else 1
+    tpc = TILES_PER_CHUNK
+    warps = STATS_NUM_WARPS if not _interpreting(dev) else 1
     s, cps, nt = _splits(rows, vocab, tpc, dev)
     part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
     target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
@@ -153,7 +159,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
         *target, drows, d, d.stride(0), dv, plan.draft_req, plan.draft_j,
         plan.batch.temperature, *dparts, ds, dcps, WRITE_TOP=write_top if merged else False,
         DRAFT=1 + int(is_probs), TPC=tpc, BLOCK=BLOCK,
-        num_warps=warps if merged else NUM_WARPS if not _interpreting(dev) else 1)
+        num_warps=warps)
     if not merged:
         paths.record("triton.stats.draft_probs_apart", drows)
         target_rows()
@@ -169,10 +175,6 @@ def _stats_buffers(rows: int, s: int, nt: int, dev: torch.device):
     tiles = [workspace.scratch(f"target.tiles{i}", (rows, nt), torch.float32, dev)
              for i in range(3)]
     return part_m, part_s, part_f, tiles
-
-
-def _tiles_per_chunk(device: torch.device) -> int:
-    return 2 if _interpreting(device) else TILES_PER_CHUNK
 
 
 def _contiguous_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -348,7 +350,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
     if finish is not None and not filtered and one_launch(dev):
-        s, cps, nt = _splits(rows, plan.vocab_size, _tiles_per_chunk(dev), dev)
+        s, cps, nt = _splits(rows, plan.vocab_size, TILES_PER_CHUNK, dev)
         part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
         if rows:
             paths.record("triton.one_launch", rows)
@@ -357,9 +359,9 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                 x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
                 plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
                 part_m, part_s, part_f, tiles[0], tiles[1], s, cps, nt, y, stats, done,
-                *finish, S_MAX=S_MAX, TPC=_tiles_per_chunk(dev), BLOCK=BLOCK,
+                *finish, S_MAX=S_MAX, TPC=TILES_PER_CHUNK, BLOCK=BLOCK,
                 **({"num_warps": 1} if interp else
-                   {"num_warps": NUM_WARPS, "maxnreg": FUSED_MAXNREG}))
+                   {"num_warps": STATS_NUM_WARPS, "maxnreg": FUSED_MAXNREG}))
         return (part_m, part_s, part_f), tiles, nt, y, stats, (part_m, part_f), ranking, True
     (part_m, part_s, part_f), tiles, (s, _cps, nt), draft_parts = _launch_stats(
         x, plan, draft_ids, temp, write_top=filtered or rank,
@@ -380,7 +382,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
             tiles[2], batch.logprobs_n, *(ranking or (y, stats)), *dparts, ds, dstats,
             draft_kind, FILTERED=filtered, RANK=rank,
             NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, S_MAX=S_MAX,
-            TPC=_tiles_per_chunk(dev), BLOCK=BLOCK, num_warps=NUM_WARPS if not interp else 1)
+            TPC=TILES_PER_CHUNK, BLOCK=BLOCK, num_warps=STATS_NUM_WARPS if not interp else 1)
     return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, False
 
 
