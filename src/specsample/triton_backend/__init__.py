@@ -67,10 +67,10 @@ _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 BLOCK = rng.TILE  # kernel tiles are the sampling tiles of the RNG definition
 # The statistics pass loads 2 tiles (4,096 tokens) per iteration, with 4 warps a program: at
 # 48 registers ten programs fit on an SM. A study of that pass alone (H200, V = 151,936, bf16;
-# BENCHMARKS.md, "The statistics pass with 4 warps and 2 tiles a chunk") measured it 6-8% faster
-# than 8 warps with 4 tiles (ptxas: 48 registers, five programs an SM) at 640 to 2,080 rows,
-# and as fast as a plain read of the rows; a flattened schedule of equal chunk ranges per
-# program was slower than the hardware's scheduling of (row, split) programs.
+# BENCHMARKS.md, "The statistics pass with 4 warps and 2 tiles a chunk") measured it 3.5-8.5%
+# faster than 8 warps with 4 tiles (ptxas: 48 registers, five programs an SM) at 640 to 2,080
+# rows, and within 4% of a plain read of the rows; a flattened schedule of equal chunk ranges
+# per program was slower than the hardware's scheduling of (row, split) programs.
 TILES_PER_CHUNK = 2
 # (the sampling kernel and the single launch of eager calls take the same number of warps: their
 # sums then round alike, so eager calls and graph replays give the same logprobs bit for bit)
