@@ -131,9 +131,8 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``)."""
     rows, vocab = x.shape
     dev = x.device
-    tpc = TILES_PER_CHUNK
     warps = STATS_NUM_WARPS if not _interpreting(dev) else 1
-    s, cps, nt = _splits(rows, vocab, tpc, dev)
+    s, cps, nt = _splits(rows, vocab, TILES_PER_CHUNK, dev)
     part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
     target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
               plan.k_given, temp, part_m, part_s, part_f, *tiles, s, cps, nt)
@@ -142,15 +141,15 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
         if rows:
             launch(kernels.stats_kernel)[(rows, s)](
                 *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
-                part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=tpc, BLOCK=BLOCK,
-                num_warps=warps)
+                part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=TILES_PER_CHUNK,
+                BLOCK=BLOCK, num_warps=warps)
 
     if draft is None:
         target_rows()
         return (part_m, part_s, part_f), tiles, (s, cps, nt), None
     d, is_probs = draft
     drows, dv = d.shape
-    ds, dcps, _ = _splits(drows, dv, tpc, dev)
+    ds, dcps, _ = _splits(drows, dv, TILES_PER_CHUNK, dev)
     dparts = tuple(workspace.scratch(f"draft.part_{n}", (drows, ds), t, dev)
                    for n, t in (("m", torch.float32), ("s", torch.float32), ("f", torch.int32)))
     merged = not is_probs or drows <= MERGED_PROBS_MAX_ROWS
@@ -158,7 +157,7 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     launch(kernels.stats_kernel)[grid](
         *target, drows, d, d.stride(0), dv, plan.draft_req, plan.draft_j,
         plan.batch.temperature, *dparts, ds, dcps, WRITE_TOP=write_top if merged else False,
-        DRAFT=1 + int(is_probs), TPC=tpc, BLOCK=BLOCK,
+        DRAFT=1 + int(is_probs), TPC=TILES_PER_CHUNK, BLOCK=BLOCK,
         num_warps=warps)
     if not merged:
         paths.record("triton.stats.draft_probs_apart", drows)
