@@ -5,8 +5,10 @@ Both backends draw each node row's target token with ``sample()``'s noise at pos
 sampling on the same distributions), so tokens, num_accepted, accepted_node_ids and
 invalid must be identical, logprobs equal to float32 rounding (1e-5) with identical ids. On
 CPU the kernels run in Triton's interpreter (V <= 4096); the ``gpu`` tests repeat the check at
-V = 151,936 on CUDA and check CUDA-graph capture is refused with a ValueError (the tree layout
-is read on the host).
+V = 151,936 on CUDA and capture deterministic trees in CUDA graphs (the structure laid out by
+an earlier eager call, the tokens read on the device at every replay). On CPU the captured
+form runs with the capture state forced on (``api._capturing``): the same outputs as the
+eager layout, siblings checked by the walk kernel.
 """
 
 from __future__ import annotations
@@ -232,15 +234,63 @@ def test_gpu_full_vocabulary_draft_probs(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_capture_is_refused(monkeypatch):
+@pytest.mark.parametrize("kw", [{}, dict(top_k=50, top_p=0.9)])
+def test_gpu_capture_and_replay(monkeypatch, kw):
+    # A captured verify_tree replays with new logits, tokens and positions copied into its
+    # inputs: the outputs of eager calls on the same data, for several replays.
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
-    logits, tok, par, ms, batch, pos = _case(23, 4, 151_936, torch.bfloat16, "mixed")
-    specsample.verify_tree(logits, tok, par, ms, batch, positions=pos, strict=False)  # compile
+    from specsample import tree as tree_mod
+
+    gen = torch.Generator().manual_seed(23)
+    ms, par, tok = random_trees(gen, 6, vocab=151_936, allow_empty=True)
+    batch = SamplingBatch.from_params(params_list(gen, 6, "mixed", **kw), vocab_size=151_936,
+                                      device=DEVICE)
+    rounds = []
+    for _ in range(3):
+        t = torch.randperm(151_936, generator=gen)[:len(tok)]  # (distinct: valid siblings)
+        logits = tree_logits(gen, ms, par, t.tolist(), 151_936, torch.bfloat16)
+        rounds.append((logits.to(DEVICE), t.to(DEVICE),
+                       torch.randint(0, 1000, (6,), generator=gen).to(DEVICE)))
+    x, toks, pos = (r.clone() for r in rounds[0])
+    specsample.verify_tree(x, toks, par, ms, batch, positions=pos, strict=False)  # layout
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match="CUDA-graph capture"):
-        with torch.cuda.graph(graph):
-            specsample.verify_tree(logits, tok, par, ms, batch, positions=pos, strict=False)
+    paths.reset()
+    with torch.cuda.graph(graph):
+        out = specsample.verify_tree(x, toks, par, ms, batch, positions=pos, strict=False)
+    assert paths.counts()["triton.verify_tree.walk"]["rows"] == 6
+    tree_mod.clear_layout_cache()  # (the captured structure stays)
+    for logits, t, p in rounds:
+        x.copy_(logits)
+        toks.copy_(t)
+        pos.copy_(p)
+        graph.replay()
+        ref = specsample.verify_tree(logits, t, par, ms, batch, positions=p, strict=False)
+        assert_same(ref, out)
+    toks[1] = toks[0]  # request 0's first two nodes: siblings (both children of the root)
+    assert par[:2] == [0, 0]
+    graph.replay()
+    assert out.invalid.tolist() == [True] + [False] * 5
+
+
+@pytest.mark.gpu
+def test_gpu_capture_refusals(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    logits, tok, par, ms, batch, pos = _case(24, 4, 151_936, torch.bfloat16, "mixed")
+    toks = torch.tensor(tok, device=DEVICE)
+    specsample.verify_tree(logits, toks, par, ms, batch, positions=pos, strict=False)
+    torch.cuda.synchronize()
+    lp = SamplingBatch.from_params([SamplingParams(logprobs=1)] * 4, vocab_size=151_936,
+                                   device=DEVICE)
+    for args, kw, match in (
+            ((logits, tok, par, ms, batch), {}, "draft_token_ids as a tensor on"),
+            ((logits, toks, par, ms, lp), {}, "logprobs"),
+            ((logits, toks, par, ms, batch), dict(strict=True), "strict=True"),
+            ((logits, toks, par[:-1] + [0], ms, batch), {}, "laid out by an earlier call")):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match=match):
+            with torch.cuda.graph(graph):
+                specsample.verify_tree(*args, positions=pos, **{"strict": False, **kw})
 
 
 @pytest.mark.gpu
@@ -275,6 +325,12 @@ def test_gpu_warmup_covers_trees():
         for kw in ({}, dict(top_k=20, top_p=0.9), dict(presence_penalty=0.5)):
             case = _case(27, 6, vocab, torch.bfloat16, "mixed", logprobs=1, **kw)
             specsample.verify_tree(*case[:5], positions=case[5], strict=False)
+        for kw in ({}, dict(top_k=20, top_p=0.9)):  # (captured: the separate launches)
+            x, tok, par, ms, batch, pos = _case(28, 6, vocab, torch.bfloat16, "mixed", **kw)
+            toks = torch.tensor(tok, device=DEVICE)
+            specsample.verify_tree(x, toks, par, ms, batch, positions=pos, strict=False)
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                specsample.verify_tree(x, toks, par, ms, batch, positions=pos, strict=False)
         assert triton_backend.compilations_after_warmup() == []
     finally:
         triton_backend.disarm_compile_guard()
@@ -302,3 +358,112 @@ def test_wide_and_deep_trees(monkeypatch, mode):
     assert out.token_ids.shape == (3, 41)
     if mode == "greedy":
         assert int(out.num_accepted[1]) > 32
+
+
+def _as_captured(monkeypatch):
+    """verify_tree's CUDA-graph capture branch on CPU: the capture state forced on."""
+    from specsample import api
+
+    monkeypatch.setattr(api, "_capturing", lambda: True)
+
+
+def test_captured_layout_matches_eager(monkeypatch):
+    # The captured form (tokens as a device tensor, not read; the structure kept from an
+    # earlier call) gives the eager layout's outputs, for new tokens on the same structure.
+    # (The filters draw the same rows either way: the GPU capture test covers them.)
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(31)
+    ms, par, tok = random_trees(gen, 3, max_depth=3, vocab=600)
+    batch = SamplingBatch.from_params(params_list(gen, 3, "mixed"), vocab_size=600,
+                                      device=DEVICE)
+    pos = torch.randint(0, 1000, (3,), generator=gen).to(DEVICE)
+    specsample.verify_tree(tree_logits(gen, ms, par, tok, 600, torch.float32).to(DEVICE), tok,
+                           par, ms, batch, positions=pos)  # (lays the structure out)
+    for dtype in (torch.int64, torch.int32):
+        t = torch.randperm(600, generator=gen)[:len(tok)]
+        logits = tree_logits(gen, ms, par, t.tolist(), 600, torch.bfloat16).to(DEVICE)
+        ref = specsample.verify_tree(logits, t.tolist(), par, ms, batch, positions=pos)
+        with monkeypatch.context() as m:
+            _as_captured(m)
+            paths.reset()
+            out = specsample.verify_tree(logits, t.to(DEVICE, dtype), par, ms, batch,
+                                         positions=pos, strict=False)
+            assert paths.counts()["triton.verify_tree.walk"]["rows"] == 3
+        assert_same(ref, out)
+        assert ref.num_accepted.sum() > 0  # (walks that descend: the tokens were read)
+
+
+def test_captured_siblings_and_ids_flag_their_request(monkeypatch):
+    # Under capture the tokens are not read on the host: two siblings with one token, or a
+    # token outside [0, V), make their own request invalid (the walk kernel's bits), the
+    # others unchanged; eagerly the same siblings raise ValueError.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    from specsample import torch_backend
+    from specsample.tree import _tree_plan, build_tree_layout
+    from specsample.triton_backend import tree as triton_tree
+
+    ms, par = [3, 4, 2], [0, 0, 1, 0, 1, 1, 2, 0, 0]
+    tok = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    gen = torch.Generator().manual_seed(4)
+    logits = tree_logits(gen, ms, par, tok, 64, torch.float32).to(DEVICE)
+    batch = SamplingBatch.from_params(params_list(gen, 3, "mixed"), vocab_size=64,
+                                      device=DEVICE)
+    pos = torch.tensor([3, 4, 5]).to(DEVICE)
+    specsample.verify_tree(logits, tok, par, ms, batch, positions=pos)
+    bad = list(tok)
+    bad[4] = bad[5]  # request 1: nodes 2 and 3 are children of node 1 with one token
+    bad[8] = 64  # request 2: a token outside [0, V)
+    with pytest.raises(ValueError, match="siblings must have distinct tokens"):
+        specsample.verify_tree(logits, bad, par, ms, batch, positions=pos)
+    layout = build_tree_layout(tuple(ms), par, torch.tensor(bad).to(DEVICE), logits.device,
+                               capture=True)
+    out, err = triton_tree.run_tree(_tree_plan(logits, batch, pos, layout))
+    assert err.tolist() == [0, torch_backend.ERR_TREE_SIBLINGS, torch_backend.ERR_DRAFT_ID]
+    assert out.invalid.tolist() == [False, True, True]
+    ref = specsample.verify_tree(logits, tok, par, ms, batch, positions=pos)
+    assert torch.equal(out.token_ids[0], ref.token_ids[0])
+    assert (out.token_ids[1:] == -1).all()
+    _as_captured(monkeypatch)  # (the whole call: no ValueError, the requests flagged)
+    out2 = specsample.verify_tree(logits, torch.tensor(bad).to(DEVICE), par, ms, batch,
+                                  positions=pos, strict=False)
+    assert_same(out, out2)
+    assert "two siblings of the tree hold the same token" in torch_backend.describe_errors(
+        err.tolist())
+
+
+def test_captured_calls_refuse_what_they_cannot_capture(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(5)
+    ms, par, tok = [2, 1], [0, 1, 0], [3, 4, 5]
+    logits = tree_logits(gen, ms, par, tok, 64, torch.float32).to(DEVICE)
+    batch = SamplingBatch.from_params(params_list(gen, 2, "mixed"), vocab_size=64,
+                                      device=DEVICE)
+    pos = torch.tensor([1, 2]).to(DEVICE)
+    toks = torch.tensor(tok).to(DEVICE)
+    specsample.verify_tree(logits, tok, par, ms, batch, positions=pos)
+    lp = SamplingBatch.from_params([SamplingParams(logprobs=0)] * 2, vocab_size=64,
+                                   device=DEVICE)
+    bias = SamplingBatch.from_params([SamplingParams(logit_bias={1: 1.0})] * 2, vocab_size=64,
+                                     device=DEVICE)
+    q = torch.full((5, 64), 1 / 64).to(DEVICE)
+    _as_captured(monkeypatch)
+    cases = [
+        (dict(draft_token_ids=tok), "draft_token_ids as a tensor on"),
+        (dict(draft_token_ids=toks[:2]), "draft_token_ids has 2 entries"),
+        (dict(draft_token_ids=toks.float()), "1-D integer tensor"),
+        (dict(batch=lp), "logprobs"),
+        (dict(batch=bias), "the general path"),
+        (dict(draft_probs=q), "draft_probs"),
+        (dict(strict=True), "strict=True"),
+        (dict(parents=[0, 0, 0]), "laid out by an earlier call"),
+        (dict(positions=[1, 2]), "positions as a tensor"),
+    ]
+    for change, match in cases:
+        kw = dict(target_logits=logits, draft_token_ids=toks, parents=par, num_nodes=ms,
+                  batch=batch, positions=pos, strict=False)
+        kw.update(change)
+        with pytest.raises(ValueError, match=match):
+            specsample.verify_tree(**kw)
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
+    with pytest.raises(ValueError, match="Triton backend only"):
+        specsample.verify_tree(logits, toks, par, ms, batch, positions=pos, strict=False)

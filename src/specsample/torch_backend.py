@@ -27,6 +27,7 @@ ERR_DRAFT_ID = 4  # a draft id outside [0, V) that is not the -1 placeholder
 ERR_DRAFT_ROW = 8  # a draft_logits / draft_probs row that is not a valid distribution
 ERR_PROCESSED_OVERFLOW = 16  # finite raw logits that logit_bias / penalties made NaN / inf
 ERR_BANS = 32  # a live row whose bans (allowed_token_ids, bad words, min_tokens) leave no token
+ERR_TREE_SIBLINGS = 64  # verify_tree under CUDA-graph capture: two siblings with one token
 
 ERROR_NAMES = {
     ERR_LOGITS_NAN: "NaN or +inf target logit",
@@ -36,6 +37,7 @@ ERROR_NAMES = {
     ERR_PROCESSED_OVERFLOW: "logit_bias or penalties pushed a logit to NaN / +inf or left no "
                             "finite logit (raw logits were finite)",
     ERR_BANS: "bans leave no token (allowed_token_ids, bad_words_token_ids, min_tokens)",
+    ERR_TREE_SIBLINGS: "two siblings of the tree hold the same token",
 }
 
 

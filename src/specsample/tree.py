@@ -74,19 +74,23 @@ class TreeLayout:
     of each node's children in node-number order (B = the largest number of children);
     path_rows [R, D + 1]: the rows of the nodes at depth 0..depth(r) on the root-to-node path
     of row r; path_tokens [R, D]: their tokens at depth 1..depth(r) (the node's own included),
-    the outputs its row counts. ``depth``: D, the deepest node's depth in the batch;
-    ``max_rows``: the most rows of one request (1 + its nodes).
+    the outputs its row counts; node_token [M]: the nodes' tokens in the caller's order (row
+    r > row_start[i] is node r - i - 1). ``depth``: D, the deepest node's depth in the batch;
+    ``max_rows``: the most rows of one request (1 + its nodes). A layout built for CUDA-graph
+    capture (``build_tree_layout(capture=True)``) has only ``node_token`` of the tokens
+    (``row_token`` and ``path_tokens`` None): the Triton walk reads nothing else.
     """
 
     row_req: torch.Tensor
     row_node: torch.Tensor
     row_depth: torch.Tensor
-    row_token: torch.Tensor
+    row_token: torch.Tensor | None
     row_parent: torch.Tensor
     row_start: torch.Tensor
     children: torch.Tensor
     path_rows: torch.Tensor
-    path_tokens: torch.Tensor
+    path_tokens: torch.Tensor | None
+    node_token: torch.Tensor
     depth: int
     max_rows: int  # the most rows of one request (its nodes and root)
     draft_start: torch.Tensor  # [N] zeros (the plan's; kept with the structure)
@@ -139,12 +143,18 @@ class _Shape:
     max_rows: int
 
 
-def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.device) -> _Shape:
+def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.device,
+                capture: bool = False) -> _Shape:
     """The trees' structure from the node counts and the parents (cached: an engine's tree
-    shapes repeat from step to step, their tokens do not).
+    shapes repeat from step to step, their tokens do not). With ``capture`` (a call inside
+    CUDA-graph capture, which cannot copy a new structure to the device) it must have been
+    built by an earlier call on this device, on any stream (its copy to the device completed
+    before that call went on), and it stays for the life of the process: the graph reads its
+    device tensors at every replay, so they are never freed (nor reused by another stream).
 
     Raises:
-        ValueError: a parent outside [0, own number - 1].
+        ValueError: a parent outside [0, own number - 1]; with ``capture``, a structure no
+            earlier call on this device built.
     """
     device, stream = workspace.stream_key(device)
     key = (num_nodes, par.tobytes(), device, stream)
@@ -152,7 +162,20 @@ def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.devic
         hit = _SHAPES.get(key)
         if hit is not None:
             _SHAPES.move_to_end(key)
+        if capture:
+            if hit is None:  # (built on another stream: the capture's is a side stream)
+                hit = next((v for k, v in _SHAPES.items() if k[:3] == key[:3]), None)
+            if hit is None:
+                hit = _PINNED.get(key[:3])
+            if hit is not None:
+                _PINNED.setdefault(key[:3], hit)
+        if hit is not None:
             return hit
+    if capture:
+        raise ValueError("verify_tree() inside CUDA-graph capture needs the trees' structure "
+                         "(num_nodes and parents) laid out by an earlier call outside capture "
+                         "on this device (capture cannot copy it there): run one call with "
+                         "this tree shape before capturing, as a warm-up")
     m = np.asarray(num_nodes, dtype=np.int64)
     n = m.shape[0]
     total = int(m.sum())
@@ -236,33 +259,53 @@ SHAPE_CACHE_BYTES = 64 << 20
 _SHAPES: collections.OrderedDict = collections.OrderedDict()
 _SHAPES_BYTES: dict = {}
 _SHAPES_LOCK = threading.Lock()
+#: Structures a captured CUDA graph reads (a capture used them), by (num_nodes, parents,
+#: device): never dropped, since freeing their device tensors would leave the graph reading
+#: freed memory.
+_PINNED: dict = {}
 
 
 def clear_layout_cache() -> None:
-    """Drop the kept tree structures (:data:`SHAPE_CACHE_ENTRIES`); they are rebuilt on use."""
+    """Drop the kept tree structures (:data:`SHAPE_CACHE_ENTRIES`); they are rebuilt on use.
+    Those a CUDA-graph capture used stay (the graph reads them at every replay)."""
     with _SHAPES_LOCK:
         _SHAPES.clear()
         _SHAPES_BYTES.clear()
 
 
 def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
-                      device: torch.device) -> TreeLayout:
+                      device: torch.device, *, capture: bool = False) -> TreeLayout:
     """Check the trees and lay them out (:class:`TreeLayout`), on the host with numpy.
 
     ``num_nodes``: host tuple of m_i; ``parents`` / ``draft_token_ids``: [M] int64 numpy
     arrays or CPU tensors (node n of request i at index ``sum_{i' < i} m_i' + n - 1``). The
     structure (everything but the tokens) is kept for the next call with the same num_nodes
-    and parents on ``device``; the tokens' part costs one host-to-device copy.
+    and parents on ``device``; the tokens' part costs one host-to-device copy. With
+    ``capture`` (CUDA-graph capture) ``draft_token_ids`` is a contiguous [M] int64 tensor on
+    ``device``, not read: the layout holds it as ``node_token`` (``row_token`` and
+    ``path_tokens`` None), the structure must be kept from an earlier call
+    (:func:`_tree_shape`), and sibling tokens are checked by the Triton walk
+    (ERR_TREE_SIBLINGS) instead of here.
 
     Raises:
         ValueError: a parent outside [0, own number - 1] (nodes must be numbered in
             topological order), or two children of one node with the same token (siblings
-            must differ: the walk descends to *the* child holding the sampled token).
+            must differ: the walk descends to *the* child holding the sampled token); with
+            ``capture``, a structure no earlier call laid out.
     """
     par = np.asarray(parents, dtype=np.int64)
-    tok = np.asarray(draft_token_ids, dtype=np.int64)
     device = torch.device(device)
-    shape = _tree_shape(tuple(num_nodes), par, device)
+    shape = _tree_shape(tuple(num_nodes), par, device, capture)
+    d = shape.device
+    if capture:
+        return TreeLayout(row_req=d["row_req"], row_node=d["row_node"],
+                          row_depth=d["row_depth"], row_token=None,
+                          row_parent=d["row_parent"], row_start=d["row_start"],
+                          children=d["children"], path_rows=d["path_rows"], path_tokens=None,
+                          node_token=draft_token_ids, depth=shape.depth,
+                          max_rows=shape.max_rows, draft_start=d["draft_start"],
+                          k_given=d["k_given"])
+    tok = np.asarray(draft_token_ids, dtype=np.int64)
     h = shape.host
     node_row, node_req = h["node_row"], h["node_req"]
     rows = h["row_req"].shape[0]
@@ -280,14 +323,19 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     path_rows = h["path_rows"]
     path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)],
                            -1)
-    # (one host-to-device copy for both token arrays)
-    both = torch.from_numpy(np.concatenate([row_token, path_tokens.reshape(-1)])).to(device)
-    d = shape.device
+    # One host-to-device copy for the three token arrays; node_token (a kernel argument)
+    # starts on a 16-byte boundary, as the structure's arrays do.
+    m, at = tok.shape[0], rows + rows % 2
+    both = np.full(at + m + rows * shape.depth, -1, dtype=np.int64)
+    both[:rows] = row_token
+    both[at:at + m] = tok
+    both[at + m:] = path_tokens.reshape(-1)
+    both = torch.from_numpy(both).to(device)
     return TreeLayout(row_req=d["row_req"], row_node=d["row_node"], row_depth=d["row_depth"],
                       row_token=both[:rows], row_parent=d["row_parent"],
                       row_start=d["row_start"], children=d["children"],
-                      path_rows=d["path_rows"],
-                      path_tokens=both[rows:].view(rows, shape.depth), depth=shape.depth,
+                      path_rows=d["path_rows"], node_token=both[at:at + m],
+                      path_tokens=both[at + m:].view(rows, shape.depth), depth=shape.depth,
                       max_rows=shape.max_rows, draft_start=d["draft_start"],
                       k_given=d["k_given"])
 
@@ -602,6 +650,51 @@ def assemble_output(plan: TreePlan, final: torch.Tensor, emit: torch.Tensor,
                             logprob_token_ids=logprob_ids, invalid=invalid)
 
 
+def _check_capturable(batch: SamplingBatch, device: torch.device, num_nodes, parents,
+                      draft_probs, positions) -> None:
+    """ValueError naming what keeps a verify_tree() call from CUDA-graph capture (the call
+    must take the Triton walk, ``triton.verify_tree.walk``, which has no host work after the
+    layout; the structure is fixed at capture, so it is host data)."""
+    if api.select_backend(device) != "triton":
+        raise ValueError("verify_tree() inside CUDA-graph capture runs on the Triton backend "
+                         f"only (this call would take the {api.select_backend(device)} one)")
+    why = [what for what, bad in (
+        ("draft_probs (recursive rejection sampling walks on the host)",
+         draft_probs is not None),
+        ("logprobs", batch.max_logprobs >= 0),
+        ("logit_bias, penalties or bans (the general path)", batch.needs_general_path)) if bad]
+    if why:
+        raise ValueError("verify_tree() inside CUDA-graph capture walks deterministic trees "
+                         "without logprobs on the device; this call sets " + ", ".join(why))
+    for name, value in (("num_nodes", num_nodes), ("parents", parents)):
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise ValueError(f"verify_tree() inside CUDA-graph capture needs {name} as host "
+                             f"data (a list or a CPU tensor), got a tensor on {value.device}: "
+                             "the trees' structure is fixed when the graph is captured")
+    if positions is not None and not (isinstance(positions, torch.Tensor)
+                                      and positions.device == device):
+        raise ValueError("verify_tree() inside CUDA-graph capture needs positions as a tensor "
+                         f"on {device} (or None), so that a replay reads its current values")
+
+
+def _device_tokens(t, m: int, device: torch.device) -> torch.Tensor:
+    """The node tokens of a captured call: a [m] integer tensor on ``device``, not read on the
+    host (checked by the walk kernel), as a contiguous int64 tensor on a 16-byte boundary."""
+    if not isinstance(t, torch.Tensor) or t.device != device:
+        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"verify_tree() inside CUDA-graph capture needs draft_token_ids as a "
+                         f"tensor on {device} (a replay reads its current values), got {where}")
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
+            t.dtype == torch.bool):
+        raise ValueError(f"draft_token_ids must be a 1-D integer tensor, got {t.dtype} of "
+                         f"shape {tuple(t.shape)}")
+    if t.shape[0] != m:
+        raise ValueError(f"draft_token_ids has {t.shape[0]} entries; sum(num_nodes) = {m}")
+    if t.dtype != torch.int64 or not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
+    return t
+
+
 def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes,
                 batch: SamplingBatch, *, draft_probs: torch.Tensor | None = None,
                 positions=None, strict: bool = True) -> TreeVerifyOutput:
@@ -636,7 +729,13 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         (node numbers of the accepted path, -1 padded), logprobs / logprob_token_ids
         [N, D + 1, 1 + n] or None, invalid [N] bool.
 
-    The tree layout is read on the host (one synchronisation for device tensors). Backends
+    The tree layout is read on the host (one synchronisation for device tensors), except
+    under CUDA-graph capture (strict=False, Triton backend): there a deterministic tree
+    without logprobs, bias, penalties or bans (the ``triton.verify_tree.walk`` path) is
+    captured with its structure (``num_nodes``, ``parents``: host data, laid out by an
+    earlier call outside capture on the same device, and kept for the life of the process)
+    and its tokens as a device tensor that each replay reads afresh; two siblings with the
+    same token then flag the request invalid (ERR_TREE_SIBLINGS) instead of raising. Backends
     (``api.select_backend``): on the Triton backend the kernels draw every node row and walk
     deterministic trees without logprobs (``triton.verify_tree.walk``); other walks are
     PyTorch's (paths ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``,
@@ -646,18 +745,18 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     Raises:
         ValueError: wrong types, shapes, dtypes or devices; a num_nodes entry < 0; a parent
             outside [0, own number - 1]; two siblings with the same token; missing positions
-            with user seeds; strict=True (or any call: the torch backend) inside CUDA-graph
-            capture.
+            with user seeds.
         SamplingError: with strict=True, invalid data: NaN / +inf target logits or a row with
             no finite logit (any node's row), a node token outside [0, V), an invalid
             draft_probs row of a node with children, bans that leave no token, logit_bias or
             penalties that overflow.
+        ValueError inside CUDA-graph capture: strict=True, the PyTorch backend, draft_probs,
+            logprobs, bias / penalties / bans, num_nodes or parents on the device, tokens or
+            positions not on the logits' device, a tree structure no earlier call laid out.
     """
     api._check_not_capturing(strict, "verify_tree")
     api._check_batch(batch)
-    if api._capturing():
-        raise ValueError("verify_tree() reads and checks the tree layout on the host (a "
-                         "synchronisation), which cannot run inside CUDA-graph capture")
+    capture = api._capturing()
     n = batch.num_requests
     _check_float_matrix("target_logits", target_logits)
     if target_logits.shape[1] != batch.vocab_size:
@@ -667,12 +766,17 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     if device != batch.device and not (device.type == batch.device.type == "cuda"
                                        and batch.device.index is None):
         raise ValueError(f"target_logits are on {device} but the batch on {batch.device}")
+    if capture:
+        _check_capturable(batch, device, num_nodes, parents, draft_probs, positions)
     m = _num_nodes_tuple(num_nodes, n)
     total = sum(m)
     if target_logits.shape[0] != n + total:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows; expected N + "
                          f"sum(num_nodes) = {n} + {total} = {n + total}")
-    tokens = _int_vector("draft_token_ids", draft_token_ids, total)
+    if capture:
+        tokens = _device_tokens(draft_token_ids, total, device)
+    else:
+        tokens = _int_vector("draft_token_ids", draft_token_ids, total)
     par = _int_vector("parents", parents, total)
     if draft_probs is not None:
         _check_float_matrix("draft_probs", draft_probs)
@@ -685,7 +789,7 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         if draft_probs.device != device:
             raise ValueError(f"draft_probs is on {draft_probs.device} but target_logits on "
                              f"{device}")
-    tree = build_tree_layout(m, par, tokens, device)
+    tree = build_tree_layout(m, par, tokens, device, capture=capture)
     pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
     plan = _tree_plan(target_logits, batch, pos, tree, draft_probs)
     # Recorded before running, so that a forbidden path raises before doing any work.

@@ -34,7 +34,7 @@ import triton.language as tl
 from .. import paths, workspace
 from .. import tree as tree_mod
 from ..outputs import TreeVerifyOutput
-from ..torch_backend import ERR_DRAFT_ID, ERR_LOGITS_NAN, ERR_LOGITS_NO_FINITE
+from ..torch_backend import ERR_DRAFT_ID, ERR_LOGITS_NAN, ERR_LOGITS_NO_FINITE, ERR_TREE_SIBLINGS
 from . import _contiguous_rows, _interpreting, draw_rows, exact_rank_rows, kernels, stats_logprobs
 from .launch import launch
 
@@ -50,10 +50,11 @@ _FINITE = kernels.FLAG_FINITE
 _E_NAN = tl.constexpr(ERR_LOGITS_NAN)
 _E_NO_FINITE = tl.constexpr(ERR_LOGITS_NO_FINITE)
 _E_ID = tl.constexpr(ERR_DRAFT_ID)
+_E_SIB = tl.constexpr(ERR_TREE_SIBLINGS)
 
 
 @triton.jit(do_not_specialize=["V", "N", "R", "MAXR", "D", "W"])
-def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, row_parent_ptr,
+def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row_parent_ptr,
                 row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W,
                 tok_ptr, nacc_ptr, node_ptr, invalid_ptr, err_ptr, HAS_ERR_IN: tl.constexpr,
                 BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -62,9 +63,13 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, ro
     ``assemble_output`` without logprobs, in one launch).
 
     y [R] int32: every node row's draw; stats [R, 3] float32 (column 2: the row's flags);
-    the layout as ``specsample.tree.TreeLayout`` (row_start [N], children [R, W], row_token,
-    row_parent, row_depth, row_node [R], path_rows [R, D + 1], int64); err_in [N] int64 (the
-    general path's bits, used instead of the rows' flags when HAS_ERR_IN). Writes token_ids
+    the layout as ``specsample.tree.TreeLayout`` (row_start [N], children [R, W], row_parent,
+    row_depth, row_node [R], path_rows [R, D + 1], int64); node_tok [M] int64: the nodes'
+    tokens in the caller's order (row r > row_start[i] of request i holds node r - i - 1, so
+    no per-row token array is needed: under CUDA-graph capture these are the caller's device
+    tokens as given); err_in [N] int64 (the general path's bits, used instead of the rows'
+    flags when HAS_ERR_IN). Two siblings with the same token set ERR_TREE_SIBLINGS (the host
+    layout raises ValueError first; under capture this is the only check). Writes token_ids
     [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
     int64. Children, path positions and rows are read in fixed blocks (two variants in all,
     whatever the trees' width and depth: nothing to compile after warmup)."""
@@ -72,27 +77,39 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, ro
     rs = tl.load(row_start_ptr + i)
     nxt_start = tl.load(row_start_ptr + i + 1, mask=i + 1 < N, other=0)
     re = tl.where(i + 1 < N, nxt_start, R)
-    if HAS_ERR_IN:
-        err = tl.load(err_in_ptr + i)
-    else:
-        # NaN / +inf in any row, a row without a finite logit, a node token outside [0, V)
-        e_nan = i * 0
-        e_fin = i * 0
-        e_id = i * 0
-        offs = tl.arange(0, BLOCK_R)
-        for c in range(0, MAXR, BLOCK_R):
-            r = rs + c + offs
-            m = r < re
+    tok_at = node_tok_ptr - i - 1  # (row r > rs holds node r - i - 1)
+    # NaN / +inf in any row, a row without a finite logit, a node token outside [0, V); two
+    # siblings with one token (a node whose parent has an earlier child with its token)
+    e_nan = i * 0
+    e_fin = i * 0
+    e_id = i * 0
+    e_sib = i * 0
+    offs = tl.arange(0, BLOCK_R)
+    for c in range(0, MAXR, BLOCK_R):
+        r = rs + c + offs
+        m = r < re
+        par = tl.load(row_parent_ptr + r, mask=m, other=-1)
+        node = m & (par >= 0)
+        tok = tl.load(tok_at + r, mask=node, other=0)
+        sib = node & (node != node)
+        for k in range(0, W):
+            kid = tl.load(children_ptr + par * W + k, mask=node, other=-1)
+            ktok = tl.load(tok_at + kid, mask=node & (kid >= 0) & (kid < r), other=0)
+            sib = sib | (node & (kid >= 0) & (kid < r) & (ktok == tok))
+        e_sib = tl.maximum(e_sib, tl.max(sib.to(tl.int32), axis=0))
+        if not HAS_ERR_IN:
             flags = tl.load(stats_ptr + r * 3 + 2, mask=m, other=2.0).to(tl.int32)
             bad = m & ((flags & _BAD) != 0)
             no_fin = m & ((flags & _BAD) == 0) & ((flags & _FINITE) == 0)
-            par = tl.load(row_parent_ptr + r, mask=m, other=-1)
-            tok = tl.load(row_token_ptr + r, mask=m, other=0)
-            bad_id = m & (par >= 0) & ((tok < 0) | (tok >= V))
+            bad_id = node & ((tok < 0) | (tok >= V))
             e_nan = tl.maximum(e_nan, tl.max(bad.to(tl.int32), axis=0))
             e_fin = tl.maximum(e_fin, tl.max(no_fin.to(tl.int32), axis=0))
             e_id = tl.maximum(e_id, tl.max(bad_id.to(tl.int32), axis=0))
+    if HAS_ERR_IN:
+        err = tl.load(err_in_ptr + i)
+    else:
         err = (e_nan * _E_NAN + e_fin * _E_NO_FINITE + e_id * _E_ID).to(tl.int64)
+    err = err | (e_sib * _E_SIB).to(tl.int64)
     # The walk: descend while the row's draw is a child's token (siblings hold distinct
     # tokens: at most one child matches); D steps, a leaf or a miss stays where it is.
     cur = rs
@@ -102,7 +119,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, ro
         for c0 in range(0, W, BLOCK_W):
             kofs = c0 + tl.arange(0, BLOCK_W)
             kids = tl.load(children_ptr + cur * W + kofs, mask=kofs < W, other=-1)
-            ktok = tl.load(row_token_ptr + kids, mask=kids >= 0, other=-2)
+            ktok = tl.load(tok_at + kids, mask=kids >= 0, other=-2)
             hit = tl.max(tl.where((kids >= 0) & (ktok == yv), kids, -1), axis=0)
             nxt = tl.maximum(nxt, hit)
         cur = tl.where(nxt >= 0, nxt, cur)
@@ -112,7 +129,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, row_token_ptr, ro
     for j0 in range(0, D + 1, BLOCK_D):
         j = j0 + tl.arange(0, BLOCK_D)
         path = tl.load(path_ptr + cur * (D + 1) + j + 1, mask=j < D, other=-1)  # depth j + 1
-        tok_j = tl.load(row_token_ptr + path, mask=path >= 0, other=-1)
+        tok_j = tl.load(tok_at + path, mask=path >= 0, other=-1)
         out = tl.where(j < nacc, tok_j, tl.where(j == nacc, emit, -1))
         out = tl.where(invalid, -1, out)
         tl.store(tok_ptr + i * (D + 1) + j, out, mask=j <= D)
@@ -136,7 +153,7 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
     launch(walk_kernel)[(n,)](
-        y, stats, tree.row_start, tree.children, tree.row_token, tree.row_parent,
+        y, stats, tree.row_start, tree.children, tree.node_token, tree.row_parent,
         tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
         plan.vocab_size, n, rows, tree.max_rows, d, w, token_ids, num_accepted, node_ids,
         invalid, err, HAS_ERR_IN=err_in is not None, BLOCK_W=WALK_BLOCK_W,
