@@ -470,3 +470,23 @@ def test_captured_calls_refuse_what_they_cannot_capture(monkeypatch):
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
     with pytest.raises(ValueError, match="Triton backend only"):
         specsample.verify_tree(logits, toks, par, ms, batch, positions=pos, strict=False)
+
+
+def test_captured_structures_stay_pinned():
+    # A structure a capture used is the one every later capture of that shape gets, even
+    # after the cache was cleared and an eager call built a new copy (a graph captured
+    # earlier still reads the first one: freeing it would leave that graph reading freed
+    # memory).
+    from specsample import tree as tree_mod
+
+    ms, par, tok = (2, 1), [0, 1, 0], torch.tensor([3, 4, 5]).to(DEVICE)
+    tree_mod.build_tree_layout(ms, par, tok.cpu(), DEVICE)
+    first = tree_mod.build_tree_layout(ms, par, tok, DEVICE, capture=True)
+    tree_mod.clear_layout_cache()
+    again = tree_mod.build_tree_layout(ms, par, tok.cpu(), DEVICE)  # (a new copy)
+    assert again.children.data_ptr() != first.children.data_ptr()
+    later = tree_mod.build_tree_layout(ms, par, tok, DEVICE, capture=True)
+    assert later.children.data_ptr() == first.children.data_ptr()
+    assert later.node_token is tok
+    with pytest.raises(ValueError, match="laid out by an earlier call"):
+        tree_mod.build_tree_layout((3,), [0, 0, 0], tok, DEVICE, capture=True)

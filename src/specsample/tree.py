@@ -162,13 +162,12 @@ def _tree_shape(num_nodes: tuple[int, ...], par: np.ndarray, device: torch.devic
         hit = _SHAPES.get(key)
         if hit is not None:
             _SHAPES.move_to_end(key)
-        if capture:
+        if capture:  # (the pinned copy first: it is what earlier graphs read)
+            hit = _PINNED.get(key[:3], hit)
             if hit is None:  # (built on another stream: the capture's is a side stream)
                 hit = next((v for k, v in _SHAPES.items() if k[:3] == key[:3]), None)
-            if hit is None:
-                hit = _PINNED.get(key[:3])
             if hit is not None:
-                _PINNED.setdefault(key[:3], hit)
+                _PINNED[key[:3]] = hit
         if hit is not None:
             return hit
     if capture:
