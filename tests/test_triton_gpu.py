@@ -173,7 +173,7 @@ def _warmup_then_no_compilation():
     report = triton_backend.warmup_report()
     assert "error" not in report, report
     assert report["failed"] == [] and report["compiled"] + report["cached"] == report["variants"]
-    # eager calls (the single launch) and the separate launches of graph capture
+    # calls that take the single launch (eager or captured) and the separate launches
     for separate in (False, True):
         with triton_backend.separate_launches() if separate else contextlib.nullcontext():
             _calls_after_warmup(vocab)
@@ -343,8 +343,8 @@ def test_one_launch_matches_separate_launches_under_load(n, vocab):
     # split programs to the one that draws it, and each request from its rows to the one that
     # finishes it, through acquire-release counters: a missing barrier or fence would show as
     # a token or logprob that differs now and then. Many calls (greedy and sampled requests,
-    # logprobs 0 for some), against the separate launches of graph capture (and a graph
-    # replay of them); the counters end at zero.
+    # logprobs 0 for some), against the separate launches (separate_launches()), and a graph
+    # replay of the single launch; the counters end at zero.
     from specsample import triton_backend, workspace
 
     logits, d, ks, batch, pos, _ = _inputs(vocab, torch.bfloat16, "onehot", n=n, seed=n)

@@ -23,11 +23,11 @@ Paths (``specsample.paths``):
   rows are gathered and their log-distributions computed with PyTorch from the kernels' row
   statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
-* ``triton.one_launch``: an eager call whose rows were read, drawn and finished in one launch
-  (``kernels.stats_draw_kernel``): no filter kernels (the general path, which filters in
-  PyTorch first, qualifies), no draft distributions, no top-n logprobs, not under graph
-  capture (:func:`one_launch`). Other calls take the separate statistics / sampling / finish
-  launches and are not counted here.
+* ``triton.one_launch``: a call whose rows were read, drawn and finished in one launch
+  (``kernels.stats_draw_kernel``), eager or captured in a CUDA graph: no filter kernels (the
+  general path, which filters in PyTorch first, qualifies), no draft distributions, no top-n
+  logprobs, not inside :func:`separate_launches`. Other calls take the separate statistics /
+  sampling / finish launches and are not counted here.
 * ``triton.stats.draft_probs_apart``: draft probabilities of more than
   ``MERGED_PROBS_MAX_ROWS`` (64) rows, whose statistics took a launch of their own (rows:
   the draft rows); draft logits, and fewer rows of probabilities, share the target rows'
@@ -282,12 +282,12 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
 
 def one_launch(device: torch.device) -> bool:
     """Whether a call on ``device`` may take the single launch (``kernels.stats_draw_kernel``,
-    for batches without filter kernels, draft distributions or top-n logprobs: :func:`run`):
-    on eager calls, where each launch saved is 15-25 us of host time. Not while the current
-    stream captures a CUDA graph: a graph replays its launches without host work, and there
-    the three launches are 1-4 us faster at B = 8-32 (H200; BENCHMARKS.md). Both give the same
-    tokens. :func:`separate_launches` turns it off in a block (warmup compiles both)."""
-    return not _SEPARATE.get() and not workspace.capturing(device)
+    for batches without filter kernels, draft distributions or top-n logprobs: :func:`run`),
+    eager or under CUDA-graph capture: each launch saved is 15-25 us of host time on an eager
+    call, and a graph replays it 0-2.6 us faster than the three separate launches at B = 1-256
+    (H200, BENCHMARKS.md). Both give the same tokens. :func:`separate_launches` turns it off in
+    a block (warmup compiles both)."""
+    return not _SEPARATE.get()
 
 
 def launch_settings() -> tuple | None:
@@ -321,7 +321,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     of requests that ask for top-n logprobs rank their tiles by it (``logprobs.rank_tiles``).
     With ``finish`` (row_start, then ``finish_kernel``'s outputs from token ids to K, then its
     logprob arguments: the tuple ``run`` builds for a plan without draft distributions or
-    top-n logprobs), not ``filtered``, on an eager call (:func:`one_launch`): one launch
+    top-n logprobs), not ``filtered``, unless :func:`one_launch` says no: one launch
     (``kernels.stats_draw_kernel``: the last split program of a row draws it, the last live
     row of a request finishes it). Otherwise the statistics, the filter kernels when
     filtered, then ``kernels.sample_kernel``; the caller launches the finish. With ``draft``
@@ -671,8 +671,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     logprobs on each of those paths (the logprob kernels), and the kernels of a device
     ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same),
-    and the calls that take the single launch of an eager call (:func:`one_launch`) again
-    with the separate launches that CUDA-graph capture (or :func:`separate_launches`) takes.
+    and the calls that take the single launch (:func:`one_launch`) again with the separate
+    launches that :func:`separate_launches` asks for.
     Then installs the compile guard
     (see :func:`install_compile_guard`). Returns the number of calls made.
 
@@ -706,8 +706,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     def run_calls() -> int:
         calls = every_kind()
         # The calls that took the single launch above (no filter kernels, draft distributions
-        # or top-n logprobs) take separate launches under graph capture (one_launch), and
-        # with separate_launches() (the general path: that alone, it cannot be captured).
+        # or top-n logprobs) take separate launches with separate_launches().
         with separate_launches():
             for dtype in dtypes:
                 target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)
