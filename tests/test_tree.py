@@ -589,3 +589,86 @@ def test_invalid_row_with_filters_is_flagged_not_raised(bad, kw):
     out = specsample.verify_tree(x, [5], [0], [1], batch, positions=torch.tensor([0]),
                                  strict=False)
     assert out.invalid.tolist() == [True] and out.token_ids.tolist() == [[-1, -1]]
+
+
+def pruned_case(seed: int, n: int = 5, max_nodes: int = 9):
+    """A random case (``_random_case``) with some nodes pruned (token -1), the nodes below
+    them holding garbage (out-of-range or repeated tokens, NaN rows), and the same trees
+    with those nodes absent. Returns (pruned inputs, absent inputs, keep): inputs as
+    (logits, tokens, parents, num_nodes, draft_probs); ``keep[i]`` maps request i's node
+    numbers in the absent tree to the pruned tree's."""
+    logits, toks, par, ms, params, q, pos = _random_case(seed, n=n, max_nodes=max_nodes)
+    gen = np.random.default_rng(100 + seed)
+    toks, par = toks.tolist(), par.tolist()
+    rows_p, rows_a, toks_a, par_a, ms_a, keep = [], [], [], [], [], []
+    g = row = 0
+    for m in ms:
+        dead = [False] * (m + 1)
+        new = {0: 0}
+        mine = [0]
+        for node in range(1, m + 1):
+            p = par[g + node - 1]
+            if dead[p]:
+                dead[node] = True
+                toks[g + node - 1] = int(gen.choice([VB + 7, -1, toks[g + node - 1]]))
+                if gen.random() < 0.5:
+                    logits[row + node, 3] = math.nan
+            elif gen.random() < 0.3:
+                dead[node] = True
+                toks[g + node - 1] = -1
+            else:
+                new[node] = len(mine)
+                mine.append(node)
+                toks_a.append(toks[g + node - 1])
+                par_a.append(new[p])
+        rows_a += [row + node for node in mine]
+        rows_p += list(range(row, row + m + 1))
+        ms_a.append(len(mine) - 1)
+        keep.append(mine)
+        g += m
+        row += m + 1
+    pruned = (logits, torch.tensor(toks), torch.tensor(par), ms, q)
+    absent = (logits[rows_a], torch.tensor(toks_a, dtype=torch.int64),
+              torch.tensor(par_a, dtype=torch.int64), ms_a, q[rows_a])
+    return pruned, absent, keep, params, pos
+
+
+def assert_pruned_is_absent(out_p, out_a, keep):
+    """The pruned trees' output is the absent trees' (node ids mapped back; the width may be
+    larger, the extra positions padding)."""
+    w = out_a.token_ids.shape[1]
+    assert torch.equal(out_p.invalid, out_a.invalid)
+    assert torch.equal(out_p.num_accepted, out_a.num_accepted)
+    assert torch.equal(out_p.token_ids[:, :w], out_a.token_ids)
+    assert (out_p.token_ids[:, w:] == -1).all()
+    for i, mine in enumerate(keep):
+        ids = [mine[j] if j >= 0 else -1 for j in out_a.accepted_node_ids[i].tolist()]
+        assert out_p.accepted_node_ids[i, :w - 1].tolist() == ids
+    assert (out_p.accepted_node_ids[:, w - 1:] == -1).all()
+    if out_a.logprobs is not None:
+        assert torch.equal(out_p.logprob_token_ids[:, :w], out_a.logprob_token_ids)
+        torch.testing.assert_close(out_p.logprobs[:, :w], out_a.logprobs, equal_nan=True)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_pruned_nodes_are_absent(seed, with_q):
+    # A node holding the placeholder -1 is pruned: it and everything below it (whatever their
+    # tokens and rows hold) behave as if absent, on the torch backend and in the reference;
+    # two pruned siblings are no repeated token. Fails if a pruned subtree is read (its NaN
+    # rows or bad tokens would make the request invalid) or walked.
+    pruned, absent, keep, params, pos = pruned_case(seed)
+    assert any(len(k) - 1 < m for k, m in zip(keep, pruned[3]))  # (something was pruned)
+    n = len(params)
+    batch = SamplingBatch.from_params(params, vocab_size=VB, output_token_ids=[[1]] * n,
+                                      prompt_token_ids=[[5, 1]] * n)
+    outs = []
+    for logits, toks, par, ms, q in (pruned, absent):
+        dp = q if with_q else None
+        outs.append((specsample.verify_tree(logits, toks, par, ms, batch, positions=pos,
+                                            draft_probs=dp, strict=False),
+                     reference.verify_tree(logits, toks, par, ms, batch, positions=pos,
+                                           draft_probs=dp)))
+    assert_pruned_is_absent(outs[0][0], outs[1][0], keep)
+    assert_pruned_is_absent(outs[0][1], outs[1][1], keep)
+    assert not outs[1][0].invalid.all()

@@ -267,6 +267,11 @@ def test_gpu_capture_and_replay(monkeypatch, kw):
         graph.replay()
         ref = specsample.verify_tree(logits, t, par, ms, batch, positions=p, strict=False)
         assert_same(ref, out)
+    t = toks.clone()
+    t[::3] = -1  # (pruned nodes: the kernel skips their subtrees, as the eager layout does)
+    toks.copy_(t)
+    graph.replay()
+    assert_same(specsample.verify_tree(x, t, par, ms, batch, positions=pos, strict=False), out)
     # Two siblings with one token: their request is flagged, the others are not.
     req = [i for i, m in enumerate(ms) for _ in range(m)]
     g, h = next((g, h) for g in range(len(par)) for h in range(g + 1, len(par))
@@ -490,3 +495,30 @@ def test_captured_structures_stay_pinned():
     assert later.node_token is tok
     with pytest.raises(ValueError, match="laid out by an earlier call"):
         tree_mod.build_tree_layout((3,), [0, 0, 0], tok, DEVICE, capture=True)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_pruned_nodes(monkeypatch, with_q):
+    # Placeholders (-1) prune their subtrees on the Triton backend as on the torch backend
+    # (the general path, logprobs, draft_probs trees), and in the captured form, whose walk
+    # kernel finds the pruned rows itself (the tokens are not read on the host).
+    from test_tree import assert_pruned_is_absent, pruned_case
+
+    (logits, toks, par, ms, q), absent, keep, params, pos = pruned_case(2)
+    vocab = logits.shape[1]
+    dev = dict(vocab_size=vocab, device=DEVICE)
+    batch = SamplingBatch.from_params(params, **dev)
+    x, pos = logits.to(DEVICE), pos.to(DEVICE)
+    dp = q.to(DEVICE) if with_q else None
+    ref, out, _ = run_both(monkeypatch, x, toks, par, ms, batch, pos, draft_probs=dp,
+                           strict=False)
+    assert_same(ref, out)
+    if with_q:
+        return
+    plain = SamplingBatch.from_params(
+        [SamplingParams(temperature=p.temperature, seed=p.seed) for p in params], **dev)
+    want = specsample.verify_tree(*absent[:4], plain, positions=pos, strict=False)
+    _as_captured(monkeypatch)
+    out = specsample.verify_tree(x, toks.to(DEVICE), par, ms, plain, positions=pos,
+                                 strict=False)
+    assert_pruned_is_absent(out, want, keep)

@@ -997,14 +997,16 @@ def _tree_of(parents: Sequence[int], tokens: Sequence[int] | None, request: int 
     """(children of each node 0..m in node-number order, depth of each node) of one tree.
 
     ``parents[n - 1]`` is node n's parent. Raises ValueError for a parent outside
-    [0, n - 1] or, when ``tokens`` is given, two siblings with the same token."""
+    [0, n - 1] or, when ``tokens`` is given, two siblings with the same token (other than
+    the placeholder -1)."""
     m = len(parents)
     children: list[list[int]] = [[] for _ in range(m + 1)]
     depth = [0] * (m + 1)
     for n, par in enumerate(parents, start=1):
         if not 0 <= par < n:
             raise ValueError(f"request {request}: node {n} has parent {par}, outside [0, {n - 1}]")
-        if tokens is not None and any(tokens[c - 1] == tokens[n - 1] for c in children[par]):
+        if tokens is not None and tokens[n - 1] != -1 and any(
+                tokens[c - 1] == tokens[n - 1] for c in children[par]):
             raise ValueError(f"request {request}: two children of node {par} hold the token "
                              f"{tokens[n - 1]}")
         children[par].append(n)
@@ -1098,6 +1100,8 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
     the target token is the row's ``sample()`` draw at ``pos + d`` (argmax for greedy
     requests); the walk descends to the child holding it, else emits it. ``draft_probs``
     trees: :func:`_rrs_node` at each node; a leaf emits its row's draw (the bonus token).
+    A node holding the placeholder -1 is pruned: it and every node below it are treated as
+    absent (not checked, not walked; siblings after it keep their order).
     """
     from .outputs import TreeVerifyOutput
 
@@ -1141,9 +1145,12 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         toks = [-1] + toks_all[s0:s0 + m]  # toks[node]
         raws = [x_all[row0 + node] for node in range(m + 1)]
         qrows = None if dist is None else [dist[row0 + node] for node in range(m + 1)]
-        paths_of = [[]]
+        paths_of, live = [[]], [True]
         for node in range(1, m + 1):
-            paths_of.append(paths_of[par_all[s0 + node - 1]] + [toks[node]])
+            parent = par_all[s0 + node - 1]
+            paths_of.append(paths_of[parent] + [toks[node]])
+            live.append(live[parent] and toks[node] != -1)  # (-1: pruned, and all below)
+        children = [[c for c in kids if live[c]] for kids in children]
         row0 += m + 1
         s0 += m
 
@@ -1156,11 +1163,13 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
                                num_output_tokens=num_outputs[i] + depth[node],
                                eos_token_ids=batch.eos_token_ids)
 
-        bad = any(_row_invalid(r) for r in raws) or any(not 0 <= t < v for t in toks[1:])
+        nodes = [node for node in range(m + 1) if live[node]]
+        bad = any(_row_invalid(raws[node]) for node in nodes) or any(
+            not 0 <= toks[node] < v for node in nodes[1:])
         if qrows is not None:
             bad = bad or any(_draft_row_invalid(qrows[node], "probs")
-                             for node in range(m + 1) if children[node])
-        if bad or any(not math.isfinite(process(node, None).lse) for node in range(m + 1)):
+                             for node in nodes if children[node])
+        if bad or any(not math.isfinite(process(node, None).lse) for node in nodes):
             invalid[i] = True
             continue
         node, rows_on_path = 0, []

@@ -75,10 +75,14 @@ class TreeLayout:
     path_rows [R, D + 1]: the rows of the nodes at depth 0..depth(r) on the root-to-node path
     of row r; path_tokens [R, D]: their tokens at depth 1..depth(r) (the node's own included),
     the outputs its row counts; node_token [M]: the nodes' tokens in the caller's order (row
-    r > row_start[i] is node r - i - 1). ``depth``: D, the deepest node's depth in the batch;
+    r > row_start[i] is node r - i - 1); row_live [R] bool: False for a pruned node (token -1)
+    and every node below one. ``children`` lists live children only, in node-number order
+    (a pruned node's siblings move up). ``depth``: D, the deepest node's depth in the batch
+    (pruned nodes included, so the output width depends on the structure alone);
     ``max_rows``: the most rows of one request (1 + its nodes). A layout built for CUDA-graph
     capture (``build_tree_layout(capture=True)``) has only ``node_token`` of the tokens
-    (``row_token`` and ``path_tokens`` None): the Triton walk reads nothing else.
+    (``row_token``, ``path_tokens`` and ``row_live`` None, ``children`` every child): the
+    Triton walk reads nothing else, and finds the pruned nodes itself.
     """
 
     row_req: torch.Tensor
@@ -91,6 +95,7 @@ class TreeLayout:
     path_rows: torch.Tensor
     path_tokens: torch.Tensor | None
     node_token: torch.Tensor
+    row_live: torch.Tensor | None
     depth: int
     max_rows: int  # the most rows of one request (its nodes and root)
     draft_start: torch.Tensor  # [N] zeros (the plan's; kept with the structure)
@@ -301,7 +306,7 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
                           row_depth=d["row_depth"], row_token=None,
                           row_parent=d["row_parent"], row_start=d["row_start"],
                           children=d["children"], path_rows=d["path_rows"], path_tokens=None,
-                          node_token=draft_token_ids, depth=shape.depth,
+                          node_token=draft_token_ids, row_live=None, depth=shape.depth,
                           max_rows=shape.max_rows, draft_start=d["draft_start"],
                           k_given=d["k_given"])
     tok = np.asarray(draft_token_ids, dtype=np.int64)
@@ -310,33 +315,45 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     rows = h["row_req"].shape[0]
     row_token = np.full(rows, -1, dtype=np.int64)
     row_token[node_row] = tok
-    # Siblings: nodes sorted by (parent row, token) must not repeat a pair.
+    # Siblings: nodes sorted by (parent row, token) must not repeat a pair (but placeholders).
     node_parent = h["row_parent"][node_row]
     order = np.lexsort((tok, node_parent))
     key_p, key_t = node_parent[order], tok[order]
-    dup = (key_p[1:] == key_p[:-1]) & (key_t[1:] == key_t[:-1])
+    dup = (key_p[1:] == key_p[:-1]) & (key_t[1:] == key_t[:-1]) & (key_t[1:] != -1)
     if dup.any():
         g = int(order[np.flatnonzero(dup)[0] + 1])
         raise ValueError(f"request {int(node_req[g])}: two children of node {int(par[g])} hold "
                          f"the token {int(tok[g])} (siblings must have distinct tokens)")
     path_rows = h["path_rows"]
-    path_tokens = np.where(path_rows[:, 1:] >= 0, row_token[np.maximum(path_rows[:, 1:], 0)],
-                           -1)
-    # One host-to-device copy for the three token arrays; node_token (a kernel argument)
-    # starts on a 16-byte boundary, as the structure's arrays do.
-    m, at = tok.shape[0], rows + rows % 2
-    both = np.full(at + m + rows * shape.depth, -1, dtype=np.int64)
-    both[:rows] = row_token
-    both[at:at + m] = tok
-    both[at + m:] = path_tokens.reshape(-1)
-    both = torch.from_numpy(both).to(device)
+    on_path = path_rows[:, 1:] >= 0
+    path_tokens = np.where(on_path, row_token[np.maximum(path_rows[:, 1:], 0)], -1)
+    # A node is pruned when it or a node above it holds the placeholder -1.
+    row_live = ~(on_path & (path_tokens == -1)).any(axis=1)
+    children = h["children"]
+    pruned = (children >= 0) & ~row_live[np.maximum(children, 0)]
+    if pruned.any():  # (live children first, in node-number order)
+        keep = np.argsort(pruned | (children < 0), axis=1, kind="stable")
+        children = np.where(pruned, -1, children)
+        children = np.take_along_axis(children, keep, axis=1)
+    # One host-to-device copy for the token arrays; node_token and the children (kernel
+    # arguments) start on 16-byte boundaries, as the structure's arrays do.
+    parts = [row_token, tok, path_tokens.reshape(-1), row_live.astype(np.int64)]
+    if pruned.any():
+        parts.append(children.reshape(-1))
+    starts = np.concatenate([[0], np.cumsum([-(-a.size // 2) * 2 for a in parts])])
+    flat = np.full(int(starts[-1]), -1, dtype=np.int64)
+    for a, at in zip(parts, starts):
+        flat[at:at + a.size] = a
+    flat = torch.from_numpy(flat).to(device)
+    view = [flat[at:at + a.size] for a, at in zip(parts, starts)]
     return TreeLayout(row_req=d["row_req"], row_node=d["row_node"], row_depth=d["row_depth"],
-                      row_token=both[:rows], row_parent=d["row_parent"],
-                      row_start=d["row_start"], children=d["children"],
-                      path_rows=d["path_rows"], node_token=both[at:at + m],
-                      path_tokens=both[at + m:].view(rows, shape.depth), depth=shape.depth,
-                      max_rows=shape.max_rows, draft_start=d["draft_start"],
-                      k_given=d["k_given"])
+                      row_token=view[0], row_parent=d["row_parent"],
+                      row_start=d["row_start"],
+                      children=view[4].view(children.shape) if pruned.any() else d["children"],
+                      path_rows=d["path_rows"], node_token=view[1],
+                      path_tokens=view[2].view(rows, shape.depth), row_live=view[3] != 0,
+                      depth=shape.depth, max_rows=shape.max_rows,
+                      draft_start=d["draft_start"], k_given=d["k_given"])
 
 
 @dataclasses.dataclass
@@ -344,7 +361,8 @@ class TreePlan(Plan):
     """A :class:`specsample.plan.Plan` whose rows are tree nodes, for the row processors of
     ``specsample.processing`` (which read ``row_req``, ``batch``, ``logits`` and
     :meth:`prior_draft_pairs`): ``row_j`` is the node's depth and the drafts a row counts are
-    the tokens on its root-to-node path. Every row is live. Bad words and min_tokens are not
+    the tokens on its root-to-node path. Every row is live but those of pruned nodes
+    (``TreeLayout.row_live``). Bad words and min_tokens are not
     read from here (their chain layout does not fit a tree): :func:`_apply_tree_bans` applies
     them."""
 
@@ -352,6 +370,8 @@ class TreePlan(Plan):
 
     @property
     def row_live(self) -> torch.Tensor:
+        if self.tree.row_live is not None:
+            return self.tree.row_live
         return torch.ones(self.num_rows, dtype=torch.bool, device=self.logits.device)
 
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,13 +440,16 @@ def _apply_tree_bans(plan: TreePlan) -> torch.Tensor:
 def _tree_errors(plan: TreePlan, draft_probs: torch.Tensor | None, row_max: torch.Tensor
                  ) -> torch.Tensor:
     """[N] int64 ERR_* bitmask: NaN / +inf target logits or rows without a finite logit (any
-    row), node tokens outside [0, V), invalid draft_probs rows of nodes with children."""
+    live row), live node tokens outside [0, V), invalid draft_probs rows of nodes with live
+    children. Pruned nodes (and those below them) are not read."""
     tree, n = plan.tree, plan.num_requests
     req = tree.row_req
-    nan = torch.isnan(row_max) | torch.isposinf(row_max)
+    live = plan.row_live
+    nan = (torch.isnan(row_max) | torch.isposinf(row_max)) & live
     err = _or_per_request(nan, req, n, torch_backend.ERR_LOGITS_NAN)
-    err |= _or_per_request(torch.isneginf(row_max), req, n, torch_backend.ERR_LOGITS_NO_FINITE)
-    is_node = tree.row_parent >= 0
+    err |= _or_per_request(torch.isneginf(row_max) & live, req, n,
+                           torch_backend.ERR_LOGITS_NO_FINITE)
+    is_node = (tree.row_parent >= 0) & live
     bad_id = is_node & ((tree.row_token < 0) | (tree.row_token >= plan.vocab_size))
     err |= _or_per_request(bad_id, req, n, torch_backend.ERR_DRAFT_ID)
     if draft_probs is not None:
@@ -445,14 +468,15 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor, tu
     row_max = plan.logits.amax(dim=-1)
     err = _tree_errors(plan, plan.draft_probs, row_max)
     invalid = err != 0
-    if bool(invalid.any()):
-        clean = plan.logits.masked_fill(invalid[plan.row_req][:, None], 0.0)
+    dead = invalid[plan.row_req] | ~plan.row_live
+    if bool(dead.any()):  # (pruned nodes' rows too: nothing reads their draws)
+        clean = plan.logits.masked_fill(dead[:, None], 0.0)
         plan = dataclasses.replace(plan, logits=clean)
         row_max = clean.amax(dim=-1)  # (the sanitised rows': the filters read it)
     proc_plan = plan
     if batch.needs_bans:
         y = _apply_tree_bans(plan)
-        emptied = torch.isneginf(y.amax(-1)) & ~invalid[plan.row_req]
+        emptied = torch.isneginf(y.amax(-1)) & ~dead
         err |= _or_per_request(emptied, plan.row_req, n, torch_backend.ERR_BANS)
         # The bans are in y: the processors must not apply chain-layout bans on top.
         proc_plan = dataclasses.replace(plan, logits=y,
@@ -461,7 +485,7 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor, tu
     inputs = row_inputs(proc_plan, row_max=row_max)
     z = process_rows(proc_plan, inputs=inputs)
     if batch.needs_bias or batch.needs_penalties:
-        live = ~(err != 0)[plan.row_req]
+        live = ~(err != 0)[plan.row_req] & plan.row_live
         # (the rows' maxima: z' has a non-finite maximum exactly when they do)
         err |= _or_per_request(~torch.isfinite(inputs[1]) & live, plan.row_req, n,
                                torch_backend.ERR_PROCESSED_OVERFLOW)
@@ -705,7 +729,8 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
             and its nodes 1..m_i in order: row n is the target's distribution of the token
             after node n.
         draft_token_ids: [M] int64 (tensor or list): each node's token, request by request,
-            node 1..m_i. Siblings must hold distinct tokens.
+            node 1..m_i. Siblings must hold distinct tokens. The placeholder -1 prunes a
+            node: it and the nodes below it behave as if absent (not read or checked).
         parents: [M] int64 (tensor or list): the parent of each node, a node number in
             [0, own number - 1] (0: the root), so nodes are numbered in topological order.
         num_nodes: [N] ints >= 0 (list or integer tensor): m_i, the nodes of request i's tree.

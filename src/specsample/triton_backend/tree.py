@@ -68,8 +68,10 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
     tokens in the caller's order (row r > row_start[i] of request i holds node r - i - 1, so
     no per-row token array is needed: under CUDA-graph capture these are the caller's device
     tokens as given); err_in [N] int64 (the general path's bits, used instead of the rows'
-    flags when HAS_ERR_IN). Two siblings with the same token set ERR_TREE_SIBLINGS (the host
-    layout raises ValueError first; under capture this is the only check). Writes token_ids
+    flags when HAS_ERR_IN). A node whose token is the placeholder -1 is pruned: neither it
+    nor any node below it is checked or descended into. Two siblings with the same token set
+    ERR_TREE_SIBLINGS (the host layout raises ValueError first; under capture this is the
+    only check). Writes token_ids
     [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
     int64. Children, path positions and rows are read in fixed blocks (two variants in all,
     whatever the trees' width and depth: nothing to compile after warmup)."""
@@ -89,18 +91,26 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
         r = rs + c + offs
         m = r < re
         par = tl.load(row_parent_ptr + r, mask=m, other=-1)
-        node = m & (par >= 0)
+        # live: no placeholder (-1) on the path from the root down to the row (pruned rows
+        # are not read)
+        pruned = m & (m != m)
+        for d in range(1, D + 1):
+            p = tl.load(path_ptr + r * (D + 1) + d, mask=m & (par >= 0), other=-1)
+            ptok = tl.load(tok_at + p, mask=p >= 0, other=0)
+            pruned = pruned | ((p >= 0) & (ptok == -1))
+        live = m & ~pruned
+        node = live & (par >= 0)
         tok = tl.load(tok_at + r, mask=node, other=0)
         sib = node & (node != node)
         for k in range(0, W):
             kid = tl.load(children_ptr + par * W + k, mask=node, other=-1)
-            ktok = tl.load(tok_at + kid, mask=node & (kid >= 0) & (kid < r), other=0)
+            ktok = tl.load(tok_at + kid, mask=node & (kid >= 0) & (kid < r), other=-1)
             sib = sib | (node & (kid >= 0) & (kid < r) & (ktok == tok))
         e_sib = tl.maximum(e_sib, tl.max(sib.to(tl.int32), axis=0))
         if not HAS_ERR_IN:
             flags = tl.load(stats_ptr + r * 3 + 2, mask=m, other=2.0).to(tl.int32)
-            bad = m & ((flags & _BAD) != 0)
-            no_fin = m & ((flags & _BAD) == 0) & ((flags & _FINITE) == 0)
+            bad = live & ((flags & _BAD) != 0)
+            no_fin = live & ((flags & _BAD) == 0) & ((flags & _FINITE) == 0)
             bad_id = node & ((tok < 0) | (tok >= V))
             e_nan = tl.maximum(e_nan, tl.max(bad.to(tl.int32), axis=0))
             e_fin = tl.maximum(e_fin, tl.max(no_fin.to(tl.int32), axis=0))
@@ -120,7 +130,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
             kofs = c0 + tl.arange(0, BLOCK_W)
             kids = tl.load(children_ptr + cur * W + kofs, mask=kofs < W, other=-1)
             ktok = tl.load(tok_at + kids, mask=kids >= 0, other=-2)
-            hit = tl.max(tl.where((kids >= 0) & (ktok == yv), kids, -1), axis=0)
+            hit = tl.max(tl.where((kids >= 0) & (ktok >= 0) & (ktok == yv), kids, -1), axis=0)
             nxt = tl.maximum(nxt, hit)
         cur = tl.where(nxt >= 0, nxt, cur)
     invalid = err != 0
