@@ -272,6 +272,7 @@ def test_gpu_capture_and_replay(monkeypatch, kw):
     toks.copy_(t)
     graph.replay()
     assert_same(specsample.verify_tree(x, t, par, ms, batch, positions=pos, strict=False), out)
+    toks.copy_(rounds[-1][1])
     # Two siblings with one token: their request is flagged, the others are not.
     req = [i for i, m in enumerate(ms) for _ in range(m)]
     g, h = next((g, h) for g in range(len(par)) for h in range(g + 1, len(par))
@@ -522,3 +523,28 @@ def test_pruned_nodes(monkeypatch, with_q):
     out = specsample.verify_tree(x, toks.to(DEVICE), par, ms, plain, positions=pos,
                                  strict=False)
     assert_pruned_is_absent(out, want, keep)
+
+
+def test_captured_sibling_check_across_blocks(monkeypatch):
+    # The captured walk compares each node with its parent's earlier children 16 at a time: a
+    # repeat between children 1 and 20 of a root with 20 children is found, placeholders are
+    # never repeats, and without a repeat the tree matches the eager layout.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    ms, par = [20, 2], [0] * 20 + [0, 1]
+    tok = list(range(10, 30)) + [3, 4]
+    gen = torch.Generator().manual_seed(6)
+    logits = tree_logits(gen, ms, par, tok, 64, torch.float32).to(DEVICE)
+    batch = SamplingBatch.from_params(params_list(gen, 2, "mixed"), vocab_size=64,
+                                      device=DEVICE)
+    pos = torch.tensor([3, 4]).to(DEVICE)
+    ref = specsample.verify_tree(logits, tok, par, ms, batch, positions=pos)
+    _as_captured(monkeypatch)
+    for change, flagged in (({}, False), ({19: 10}, True), ({3: -1, 7: -1}, False)):
+        t = list(tok)
+        for g, v in change.items():
+            t[g] = v
+        out = specsample.verify_tree(logits, torch.tensor(t).to(DEVICE), par, ms, batch,
+                                     positions=pos, strict=False)
+        assert out.invalid.tolist() == [flagged, False]
+        if not change:
+            assert_same(ref, out)

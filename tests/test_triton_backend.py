@@ -632,7 +632,7 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
         kind = "logits" if draft_logits is not None else "probs" if d is not None else "onehot"
         seen.add((target.dtype, kind, None if d is None else d.dtype, method,
                   isinstance(k, torch.Tensor), batch.needs_filter, batch.needs_general_path,
-                  triton_backend.one_launch(target.device)))
+                  triton_backend.one_launch()))
 
     monkeypatch.setattr(api, "verify", verify)
     monkeypatch.setattr(api, "sample", lambda *a, **kw: None)

@@ -204,6 +204,20 @@ def _calls():
         for lp in (2, None):  # (None: the walk kernel, its two variants)
             yield lambda m=mode, kw=kw, lp=lp: _verify_tree(
                 *_tree_case(3, 3, 300, bf16, m, logprobs=lp, **kw))
+    yield _captured_tree  # (the walk's third variant: the sibling check)
+
+
+def _captured_tree():
+    """verify_tree's CUDA-graph capture form, the capture state forced on (the structure laid
+    out first by an eager call)."""
+    from unittest import mock
+
+    from specsample import api
+
+    logits, tok, par, ms, batch, pos = _tree_case(4, 3, 300, torch.bfloat16, "mixed")
+    _verify_tree(logits, tok, par, ms, batch, pos)
+    with mock.patch.object(api, "_capturing", lambda: True):
+        _verify_tree(logits, torch.tensor(tok), par, ms, batch, pos)
 
 
 def _launch_form_errors(fn, args, kwargs) -> list[str]:

@@ -34,9 +34,11 @@ Greedy requests (temperature 0) walk the argmax whatever the draft kind. Process
 logit_bias, penalties, temperature, min_p, top_k, top_p) is ``verify()``'s, per node row, with
 the tokens of the nodes on the path from the root to the node (the node included) counted as
 outputs for its row. The tree layout is read and checked on the host (one synchronisation for
-device tensors): this path is not capturable in CUDA graphs. The structure of a batch of trees
-(``num_nodes`` and ``parents``) is kept between calls (``_tree_shape``); the tokens are laid
-out per call.
+device tensors), except under CUDA-graph capture, where deterministic trees without logprobs,
+bias, penalties or bans take the Triton walk with the tokens left on the device
+(:func:`verify_tree`). The structure of a batch of trees (``num_nodes`` and ``parents``) is
+kept between calls (``_tree_shape``); the tokens are laid out per call. The placeholder -1
+prunes a node and its subtree (as if absent).
 """
 
 from __future__ import annotations
@@ -813,8 +815,14 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         if draft_probs.device != device:
             raise ValueError(f"draft_probs is on {draft_probs.device} but target_logits on "
                              f"{device}")
-    tree = build_tree_layout(m, par, tokens, device, capture=capture)
-    pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
+    if capture:
+        # (first: the structure is pinned once laid out, so nothing after may raise; a
+        # captured counter advance runs only at replays)
+        pos = _positions(positions, batch, n, device)
+        tree = build_tree_layout(m, par, tokens, device, capture=True)
+    else:
+        tree = build_tree_layout(m, par, tokens, device)
+        pos = _positions(positions, batch, n, device)  # last: positions=None advances a counter
     plan = _tree_plan(target_logits, batch, pos, tree, draft_probs)
     # Recorded before running, so that a forbidden path raises before doing any work.
     if api.select_backend(device) == "triton":

@@ -280,8 +280,8 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
     return cut_v, cut_i
 
 
-def one_launch(device: torch.device) -> bool:
-    """Whether a call on ``device`` may take the single launch (``kernels.stats_draw_kernel``,
+def one_launch() -> bool:
+    """Whether a call may take the single launch (``kernels.stats_draw_kernel``,
     for batches without filter kernels, draft distributions or top-n logprobs: :func:`run`),
     eager or under CUDA-graph capture: each launch saved is 15-25 us of host time on an eager
     call, and a graph replays it 0-2.6 us faster than the three separate launches at B = 1-256
@@ -348,7 +348,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                    workspace.scratch("rank.count", (rows,), torch.int32, dev))
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
-    if finish is not None and not filtered and one_launch(dev):
+    if finish is not None and not filtered and one_launch():
         s, cps, nt = _splits(rows, plan.vocab_size, TILES_PER_CHUNK, dev)
         part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
         if rows:
@@ -464,9 +464,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     else:  # (never written; typed as the real ones: one kernel variant)
         lp_v, lp_i = workspace.scratch("lp.unwritten", (1,), torch.float32, dev), token_ids
     lp_args = (batch.logprobs_processed.view(torch.uint8), lp_v, lp_i, int(lp0))
-    # An eager call without filter kernels, draft distributions or top-n logprobs is one launch,
-    # which also finishes the requests (``draw_rows``). Top-n logprobs and draft distributions
-    # keep the separate launches even on eager calls: such a call is several launches anyway
+    # A call without filter kernels, draft distributions or top-n logprobs is one launch, which
+    # also finishes the requests (``draw_rows``). Top-n logprobs and draft distributions keep
+    # the separate launches: such a call is several launches anyway
     # (with draft logits the single launch saved no measurable host time), and their variants
     # of the single launch made warmup compile 212 variants instead of 192 (22.8 s on a fresh
     # cache, against issue 16's 15 s).

@@ -57,7 +57,8 @@ _E_SIB = tl.constexpr(ERR_TREE_SIBLINGS)
 def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row_parent_ptr,
                 row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W,
                 tok_ptr, nacc_ptr, node_ptr, invalid_ptr, err_ptr, HAS_ERR_IN: tl.constexpr,
-                BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                CHECK_SIBLINGS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_R: tl.constexpr):
     """One program per request: the error bits, the sample-and-match walk and the outputs of
     a deterministic tree (``specsample.tree._tree_errors``, ``_walk_match`` and
     ``assemble_output`` without logprobs, in one launch).
@@ -69,11 +70,12 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
     no per-row token array is needed: under CUDA-graph capture these are the caller's device
     tokens as given); err_in [N] int64 (the general path's bits, used instead of the rows'
     flags when HAS_ERR_IN). A node whose token is the placeholder -1 is pruned: neither it
-    nor any node below it is checked or descended into. Two siblings with the same token set
-    ERR_TREE_SIBLINGS (the host layout raises ValueError first; under capture this is the
-    only check). Writes token_ids
+    nor any node below it is checked or descended into. With CHECK_SIBLINGS (a layout made
+    for CUDA-graph capture, whose tokens the host did not read; otherwise the host layout has
+    raised ValueError already) two siblings with the same token set ERR_TREE_SIBLINGS: each
+    node against its parent's earlier children, BLOCK_W at a time. Writes token_ids
     [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
-    int64. Children, path positions and rows are read in fixed blocks (two variants in all,
+    int64. Children, path positions and rows are read in fixed blocks (three variants in all,
     whatever the trees' width and depth: nothing to compile after warmup)."""
     i = tl.program_id(0)
     rs = tl.load(row_start_ptr + i)
@@ -101,12 +103,15 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
         live = m & ~pruned
         node = live & (par >= 0)
         tok = tl.load(tok_at + r, mask=node, other=0)
-        sib = node & (node != node)
-        for k in range(0, W):
-            kid = tl.load(children_ptr + par * W + k, mask=node, other=-1)
-            ktok = tl.load(tok_at + kid, mask=node & (kid >= 0) & (kid < r), other=-1)
-            sib = sib | (node & (kid >= 0) & (kid < r) & (ktok == tok))
-        e_sib = tl.maximum(e_sib, tl.max(sib.to(tl.int32), axis=0))
+        if CHECK_SIBLINGS:
+            for k0 in range(0, W, BLOCK_W):
+                kofs = k0 + tl.arange(0, BLOCK_W)
+                kid = tl.load(children_ptr + par[:, None] * W + kofs[None, :],
+                              mask=node[:, None] & (kofs[None, :] < W), other=-1)
+                earlier = (kid >= 0) & (kid < r[:, None])
+                ktok = tl.load(tok_at + kid, mask=earlier, other=-1)
+                dup = earlier & (ktok == tok[:, None])
+                e_sib = tl.maximum(e_sib, tl.max(tl.max(dup.to(tl.int32), axis=1), axis=0))
         if not HAS_ERR_IN:
             flags = tl.load(stats_ptr + r * 3 + 2, mask=m, other=2.0).to(tl.int32)
             bad = live & ((flags & _BAD) != 0)
@@ -153,7 +158,8 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
 def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
           err_in: torch.Tensor | None) -> tuple[TreeVerifyOutput, torch.Tensor]:
     """(TreeVerifyOutput without logprobs, [N] int64 ERR_* bits) of deterministic trees from
-    the rows' draws ``y`` and flags ``stats`` (``walk_kernel``, one launch)."""
+    the rows' draws ``y`` and flags ``stats`` (``walk_kernel``, one launch; the siblings are
+    checked there for a layout made for capture, ``row_live`` None)."""
     tree, dev = plan.tree, plan.logits.device
     n, rows, d = plan.num_requests, plan.num_rows, tree.depth
     w = tree.children.shape[1]
@@ -166,7 +172,8 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
         y, stats, tree.row_start, tree.children, tree.node_token, tree.row_parent,
         tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
         plan.vocab_size, n, rows, tree.max_rows, d, w, token_ids, num_accepted, node_ids,
-        invalid, err, HAS_ERR_IN=err_in is not None, BLOCK_W=WALK_BLOCK_W,
+        invalid, err, HAS_ERR_IN=err_in is not None, CHECK_SIBLINGS=tree.row_live is None,
+        BLOCK_W=WALK_BLOCK_W,
         BLOCK_D=WALK_BLOCK_D, BLOCK_R=WALK_BLOCK_R,
         num_warps=4 if not _interpreting(dev) else 1)
     out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
@@ -237,15 +244,22 @@ def run_tree(plan: tree_mod.TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
 
 
 def warm(device: torch.device, vocab_size: int, dtype: torch.dtype) -> None:
-    """Launch ``walk_kernel``'s two variants (the rows' flags; the general path's error bits)
-    once on a small tree of ``dtype`` rows of ``vocab_size`` on ``device`` (``warmup()``)."""
+    """Launch ``walk_kernel``'s three variants (the rows' flags; the general path's error
+    bits; the rows' flags and the sibling check of a layout made for capture) once on a small
+    tree of ``dtype`` rows of ``vocab_size`` on ``device`` (``warmup()``)."""
     from ..params import SamplingBatch, SamplingParams
-    from ..tree import verify_tree
+    from ..tree import _tree_plan, build_tree_layout, verify_tree
 
     v = vocab_size
     x = torch.zeros(4, v, device=device, dtype=dtype)
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0,
-                                                                   logit_bias={0: 1.0})):
-        batch = SamplingBatch.from_params([params], vocab_size=v, device=device)
-        verify_tree(x, [1, 2, 3], [0, 1, 1], [3], batch, strict=False,
-                    positions=torch.zeros(1, dtype=torch.int64, device=device))
+    pos = torch.zeros(1, dtype=torch.int64, device=device)
+    batches = [SamplingBatch.from_params([params], vocab_size=v, device=device)
+               for params in (SamplingParams(temperature=0.0),
+                              SamplingParams(temperature=0.0, logit_bias={0: 1.0}))]
+    for batch in batches:
+        verify_tree(x, [1, 2, 3], [0, 1, 1], [3], batch, strict=False, positions=pos)
+    # (the captured form's layout, launched eagerly: the structure is the one just laid out)
+    layout = build_tree_layout((3,), [0, 1, 1], torch.tensor([1, 2, 3], device=device),
+                               device, capture=True)
+    with workspace.call(x.device):
+        run_tree(_tree_plan(x, batches[0], pos, layout))
