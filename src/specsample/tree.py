@@ -78,13 +78,14 @@ class TreeLayout:
     of row r; path_tokens [R, D]: their tokens at depth 1..depth(r) (the node's own included),
     the outputs its row counts; node_token [M]: the nodes' tokens in the caller's order (row
     r > row_start[i] is node r - i - 1); row_live [R] bool: False for a pruned node (token -1)
-    and every node below one. ``children`` lists live children only, in node-number order
+    and every node below one (None when no node is pruned: every row is live). ``children``
+    lists live children only, in node-number order
     (a pruned node's siblings move up). ``depth``: D, the deepest node's depth in the batch
     (pruned nodes included, so the output width depends on the structure alone);
     ``max_rows``: the most rows of one request (1 + its nodes). A layout built for CUDA-graph
     capture (``build_tree_layout(capture=True)``) has only ``node_token`` of the tokens
     (``row_token``, ``path_tokens`` and ``row_live`` None, ``children`` every child): the
-    Triton walk reads nothing else, and finds the pruned nodes itself.
+    Triton walk reads nothing else, and finds the pruned nodes and checks the siblings itself.
     """
 
     row_req: torch.Tensor
@@ -329,19 +330,19 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     path_rows = h["path_rows"]
     on_path = path_rows[:, 1:] >= 0
     path_tokens = np.where(on_path, row_token[np.maximum(path_rows[:, 1:], 0)], -1)
-    # A node is pruned when it or a node above it holds the placeholder -1.
-    row_live = ~(on_path & (path_tokens == -1)).any(axis=1)
-    children = h["children"]
-    pruned = (children >= 0) & ~row_live[np.maximum(children, 0)]
-    if pruned.any():  # (live children first, in node-number order)
-        keep = np.argsort(pruned | (children < 0), axis=1, kind="stable")
-        children = np.where(pruned, -1, children)
-        children = np.take_along_axis(children, keep, axis=1)
     # One host-to-device copy for the token arrays; node_token and the children (kernel
     # arguments) start on 16-byte boundaries, as the structure's arrays do.
-    parts = [row_token, tok, path_tokens.reshape(-1), row_live.astype(np.int64)]
-    if pruned.any():
-        parts.append(children.reshape(-1))
+    parts = [row_token, tok, path_tokens.reshape(-1)]
+    children = None
+    if (tok == -1).any():
+        # A node is pruned when it or a node above it holds the placeholder -1; the live
+        # children first, in node-number order.
+        row_live = ~(on_path & (path_tokens == -1)).any(axis=1)
+        children = h["children"]
+        pruned = (children >= 0) & ~row_live[np.maximum(children, 0)]
+        keep = np.argsort(pruned | (children < 0), axis=1, kind="stable")
+        children = np.take_along_axis(np.where(pruned, -1, children), keep, axis=1)
+        parts += [children.reshape(-1), row_live.astype(np.int64)]
     starts = np.concatenate([[0], np.cumsum([-(-a.size // 2) * 2 for a in parts])])
     flat = np.full(int(starts[-1]), -1, dtype=np.int64)
     for a, at in zip(parts, starts):
@@ -351,9 +352,11 @@ def build_tree_layout(num_nodes: Sequence[int], parents, draft_token_ids,
     return TreeLayout(row_req=d["row_req"], row_node=d["row_node"], row_depth=d["row_depth"],
                       row_token=view[0], row_parent=d["row_parent"],
                       row_start=d["row_start"],
-                      children=view[4].view(children.shape) if pruned.any() else d["children"],
+                      children=d["children"] if children is None else view[3].view(
+                          children.shape),
                       path_rows=d["path_rows"], node_token=view[1],
-                      path_tokens=view[2].view(rows, shape.depth), row_live=view[3] != 0,
+                      path_tokens=view[2].view(rows, shape.depth),
+                      row_live=None if children is None else view[4] != 0,
                       depth=shape.depth, max_rows=shape.max_rows,
                       draft_start=d["draft_start"], k_given=d["k_given"])
 

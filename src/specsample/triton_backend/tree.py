@@ -159,7 +159,7 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
           err_in: torch.Tensor | None) -> tuple[TreeVerifyOutput, torch.Tensor]:
     """(TreeVerifyOutput without logprobs, [N] int64 ERR_* bits) of deterministic trees from
     the rows' draws ``y`` and flags ``stats`` (``walk_kernel``, one launch; the siblings are
-    checked there for a layout made for capture, ``row_live`` None)."""
+    checked there for a layout made for capture, ``row_token`` None)."""
     tree, dev = plan.tree, plan.logits.device
     n, rows, d = plan.num_requests, plan.num_rows, tree.depth
     w = tree.children.shape[1]
@@ -172,7 +172,7 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
         y, stats, tree.row_start, tree.children, tree.node_token, tree.row_parent,
         tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
         plan.vocab_size, n, rows, tree.max_rows, d, w, token_ids, num_accepted, node_ids,
-        invalid, err, HAS_ERR_IN=err_in is not None, CHECK_SIBLINGS=tree.row_live is None,
+        invalid, err, HAS_ERR_IN=err_in is not None, CHECK_SIBLINGS=tree.row_token is None,
         BLOCK_W=WALK_BLOCK_W,
         BLOCK_D=WALK_BLOCK_D, BLOCK_R=WALK_BLOCK_R,
         num_warps=4 if not _interpreting(dev) else 1)
