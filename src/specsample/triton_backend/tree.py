@@ -53,9 +53,9 @@ _E_ID = tl.constexpr(ERR_DRAFT_ID)
 _E_SIB = tl.constexpr(ERR_TREE_SIBLINGS)
 
 
-@triton.jit(do_not_specialize=["V", "N", "R", "MAXR", "D", "W"])
+@triton.jit(do_not_specialize=["V", "N", "R", "MAXR", "D", "W", "DL"])
 def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row_parent_ptr,
-                row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W,
+                row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W, DL,
                 tok_ptr, nacc_ptr, node_ptr, invalid_ptr, err_ptr, HAS_ERR_IN: tl.constexpr,
                 CHECK_SIBLINGS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_R: tl.constexpr):
@@ -70,10 +70,12 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
     no per-row token array is needed: under CUDA-graph capture these are the caller's device
     tokens as given); err_in [N] int64 (the general path's bits, used instead of the rows'
     flags when HAS_ERR_IN). A node whose token is the placeholder -1 is pruned: neither it
-    nor any node below it is checked or descended into. With CHECK_SIBLINGS (a layout made
-    for CUDA-graph capture, whose tokens the host did not read; otherwise the host layout has
-    raised ValueError already) two siblings with the same token set ERR_TREE_SIBLINGS: each
-    node against its parent's earlier children, BLOCK_W at a time. Writes token_ids
+    nor any node below it is checked or descended into (DL: D, or 0 when the host layout
+    found no placeholder, which skips the search along each row's path). With CHECK_SIBLINGS
+    (a layout made for CUDA-graph capture, whose tokens the host did not read; otherwise the
+    host layout has raised ValueError already) two siblings with the same token set
+    ERR_TREE_SIBLINGS: each node against its parent's earlier children, BLOCK_W at a time.
+    Writes token_ids
     [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
     int64. Children, path positions and rows are read in fixed blocks (three variants in all,
     whatever the trees' width and depth: nothing to compile after warmup)."""
@@ -96,7 +98,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
         # live: no placeholder (-1) on the path from the root down to the row (pruned rows
         # are not read)
         pruned = m & (m != m)
-        for d in range(1, D + 1):
+        for d in range(1, DL + 1):
             p = tl.load(path_ptr + r * (D + 1) + d, mask=m & (par >= 0), other=-1)
             ptok = tl.load(tok_at + p, mask=p >= 0, other=0)
             pruned = pruned | ((p >= 0) & (ptok == -1))
@@ -168,13 +170,16 @@ def _walk(plan: tree_mod.TreePlan, y: torch.Tensor, stats: torch.Tensor,
     node_ids = torch.empty(n, d, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
+    # (a layout made for capture: tokens unread, placeholders unknown; a host layout: row_live
+    # says whether any node is pruned)
+    captured, pruned = tree.row_token is None, tree.row_live is not None
     launch(walk_kernel)[(n,)](
         y, stats, tree.row_start, tree.children, tree.node_token, tree.row_parent,
         tree.row_depth, tree.row_node, tree.path_rows, err if err_in is None else err_in,
-        plan.vocab_size, n, rows, tree.max_rows, d, w, token_ids, num_accepted, node_ids,
-        invalid, err, HAS_ERR_IN=err_in is not None, CHECK_SIBLINGS=tree.row_token is None,
-        BLOCK_W=WALK_BLOCK_W,
-        BLOCK_D=WALK_BLOCK_D, BLOCK_R=WALK_BLOCK_R,
+        plan.vocab_size, n, rows, tree.max_rows, d, w, d if captured or pruned else 0,
+        token_ids, num_accepted, node_ids, invalid, err, HAS_ERR_IN=err_in is not None,
+        CHECK_SIBLINGS=captured, BLOCK_W=WALK_BLOCK_W, BLOCK_D=WALK_BLOCK_D,
+        BLOCK_R=WALK_BLOCK_R,
         num_warps=4 if not _interpreting(dev) else 1)
     out = TreeVerifyOutput(token_ids=token_ids, num_accepted=num_accepted,
                            accepted_node_ids=node_ids, logprobs=None, logprob_token_ids=None,
