@@ -114,15 +114,26 @@ def _num_nodes_tuple(num_nodes, n: int) -> tuple[int, ...]:
         raise ValueError(str(e).replace("num_draft_tokens", "num_nodes")) from None
 
 
+def _check_int_tensor(name: str, t: torch.Tensor, m: int) -> None:
+    """ValueError unless ``t`` is a 1-D integer tensor of ``m`` entries."""
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
+            t.dtype == torch.bool):
+        raise ValueError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape "
+                         f"{tuple(t.shape)}")
+    _check_length(name, t.shape[0], m)
+
+
+def _check_length(name: str, got: int, m: int) -> None:
+    if got != m:
+        raise ValueError(f"{name} has {got} entries; sum(num_nodes) = {m}")
+
+
 def _int_vector(name: str, t, m: int) -> np.ndarray:
     """A [m] int64 numpy array from an integer tensor (on any device: a device tensor is read
     with one synchronisation) or a list of ints (ValueError otherwise)."""
     if isinstance(t, torch.Tensor):
-        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
-                t.dtype == torch.bool):
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {t.dtype} of shape "
-                             f"{tuple(t.shape)}")
-        a = t.to("cpu", torch.int64).numpy()
+        _check_int_tensor(name, t, m)
+        return t.to("cpu", torch.int64).numpy()
     else:
         try:
             a = np.asarray(list(t))
@@ -135,8 +146,7 @@ def _int_vector(name: str, t, m: int) -> np.ndarray:
             raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints (int64), "
                              f"got {a.dtype} of shape {a.shape}")
         a = a.astype(np.int64, copy=False)
-    if a.shape[0] != m:
-        raise ValueError(f"{name} has {a.shape[0]} entries; sum(num_nodes) = {m}")
+    _check_length(name, a.shape[0], m)
     return a
 
 
@@ -712,12 +722,7 @@ def _device_tokens(t, m: int, device: torch.device) -> torch.Tensor:
         where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"verify_tree() inside CUDA-graph capture needs draft_token_ids as a "
                          f"tensor on {device} (a replay reads its current values), got {where}")
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or (
-            t.dtype == torch.bool):
-        raise ValueError(f"draft_token_ids must be a 1-D integer tensor, got {t.dtype} of "
-                         f"shape {tuple(t.shape)}")
-    if t.shape[0] != m:
-        raise ValueError(f"draft_token_ids has {t.shape[0]} entries; sum(num_nodes) = {m}")
+    _check_int_tensor("draft_token_ids", t, m)
     if t.dtype != torch.int64 or not t.is_contiguous() or t.data_ptr() % 16:
         t = t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
     return t

@@ -97,7 +97,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
         par = tl.load(row_parent_ptr + r, mask=m, other=-1)
         # live: no placeholder (-1) on the path from the root down to the row (pruned rows
         # are not read)
-        pruned = m & (m != m)
+        pruned = tl.zeros([BLOCK_R], dtype=tl.int1)
         for d in range(1, DL + 1):
             p = tl.load(path_ptr + r * (D + 1) + d, mask=m & (par >= 0), other=-1)
             ptok = tl.load(tok_at + p, mask=p >= 0, other=0)
