@@ -208,15 +208,16 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
     def i64(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    bias_req, bias_ids, bias_val = [], [], []
+    bias_req, bias_ids, bias_val, bias_start = [], [], [], [0]
     for i, p in enumerate(params):
-        for tok, val in (p.logit_bias or {}).items():
+        for tok, val in sorted((p.logit_bias or {}).items()):
             if tok >= vocab_size:
                 raise ValueError(f"params[{i}].logit_bias token id {tok} is outside "
                                  f"[0, {vocab_size})")
             bias_req.append(i)
             bias_ids.append(tok)
             bias_val.append(min(max(float(val), -F32_MAX), F32_MAX))
+        bias_start.append(len(bias_ids))
     stop_req = [i for i in stop_users for _ in _stop_tokens(params[i], eos)]
     stop_ids = [t for i in stop_users for t in _stop_tokens(params[i], eos)]
     allowed_users = tuple(i for i, p in enumerate(params) if p.allowed_token_ids is not None)
@@ -248,6 +249,7 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
         bias_req=i64(bias_req),
         bias_ids=i64(bias_ids),
         bias_val=f32(bias_val),
+        bias_start=i64(bias_start),
         min_tokens=i64([p.min_tokens for p in params]),
         stop_req=i64(stop_req),
         stop_ids=i64(stop_ids),
@@ -282,7 +284,9 @@ class SamplingBatch:
     """The batched, device-resident form of one ``SamplingParams`` per request.
 
     Build it with :meth:`from_params`. Tensor fields have one entry per request (``[N]``);
-    the ``bias_*`` / ``stop_*`` / ``bad_*`` fields are flat (request index, token id) lists.
+    the ``bias_*`` / ``stop_*`` / ``bad_*`` fields are flat (request index, token id) lists
+    (``bias_*`` by request, then token id, with ``bias_start`` [N + 1] the first entry of each
+    request).
     Python-level flags let backends skip work nobody asked for without a host sync.
 
     Persistent use: :meth:`append` adds the tokens a ``sample()`` / ``verify()`` call emitted
@@ -319,6 +323,8 @@ class SamplingBatch:
     bias_req: torch.Tensor  # [nb] int64
     bias_ids: torch.Tensor  # [nb] int64
     bias_val: torch.Tensor  # [nb] float32
+    # [N + 1] int64: request i's entries are bias_start[i] .. bias_start[i + 1] - 1, by token id
+    bias_start: torch.Tensor
     output_counts: torch.Tensor  # [N, V] float32 output-token counts (penalties), else [N, 0]
     prompt_mask: torch.Tensor  # [N, V] bool prompt tokens (repetition penalty), else [N, 0]
     num_output: torch.Tensor  # [N] int64 output tokens so far (min_tokens)
