@@ -26,6 +26,7 @@ the ones a GPU compiles. The test skips when triton has no nvidia backend or no 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -141,6 +142,16 @@ def _verify(seed, vocab, dtype, kind, method, processors, lps):
     specsample.verify(logits, d, ks, batch, positions=pos, method=method, strict=False, **extra)
 
 
+def _penalised_verify(dtype, separate: bool = False):
+    """verify() of one-hot drafts with logit_bias and penalties applied in the kernels."""
+    from test_triton_penalties import CASES
+    from test_triton_penalties import _case as _pen_case
+
+    logits, d, ks, batch, pos = _pen_case(2, 4, 300, dtype, CASES[3][1])
+    with triton_backend.separate_launches() if separate else contextlib.nullcontext():
+        specsample.verify(logits, d, ks, batch, positions=pos, strict=False)
+
+
 def _verify_tree(logits, tokens, parents, num_nodes, batch, pos):
     specsample.verify_tree(logits, tokens, parents, num_nodes, batch, positions=pos, strict=False)
 
@@ -176,6 +187,11 @@ def _calls():
     yield lambda: _sample(fp16, 300, [(0.7, 3, "processed", GENERAL), (1.0, 0, "raw", {})])
     # raw logprobs=0 at T = 0.7: the raw normaliser's own pass, no top-n
     yield lambda: _sample(fp32, 300, [(0.7, 0, "raw", {})])
+    # logit_bias / penalties in the kernels (triton_backend.penalties): the single launch,
+    # and the separate launches
+    yield lambda: _sample(fp16, 300, [(0.7, None, "raw", GENERAL), (0.0, None, "raw", GENERAL)])
+    yield lambda: _penalised_verify(bf16)
+    yield lambda: _penalised_verify(fp32, separate=True)
     for i, (kind, method, processors, dtype, lps) in enumerate([
             ("onehot", "token", False, bf16, None),
             ("onehot", "token", False, fp16, rp),

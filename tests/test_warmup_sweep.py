@@ -143,8 +143,9 @@ def sweep(vocab: int, dev: str = "cuda", batches=BATCHES, on_compile: str = "rai
 
 
 # integer arguments a kernel may be specialised on (Triton compiles a variant for a value of 1
-# and one for a multiple of 16): the vocabulary and the row strides, fixed in a deployment
-FIXED_PER_DEPLOYMENT = {"V", "DV", "stride", "dstride", "raw_stride", "proc_stride"}
+# and one for a multiple of 16): the vocabulary and the row strides, fixed in a deployment,
+# and the penalty counts' row stride CV (V, or 0 without penalties: warmup runs both)
+FIXED_PER_DEPLOYMENT = {"V", "DV", "stride", "dstride", "raw_stride", "proc_stride", "CV"}
 
 
 def _kernels():

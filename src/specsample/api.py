@@ -84,8 +84,7 @@ def _draft_kind(plan: Plan) -> str:
     return "onehot"
 
 
-def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str,
-                         device: torch.device) -> None:
+def _refuse_uncapturable(backend: str, plan: Plan, op: str, device: torch.device) -> None:
     """ValueError when a call on ``device`` that synchronises with the host runs inside
     CUDA-graph capture (the capture would fail later with an opaque CUDA error)."""
     if not (workspace.capturing(device) if device.type == "cuda" else _capturing()):
@@ -93,11 +92,14 @@ def _refuse_uncapturable(backend: str, batch: SamplingBatch, op: str,
     if backend == "torch":
         raise ValueError(f"{op}() on the torch backend synchronises with the host and cannot "
                          "run inside CUDA-graph capture; use the triton backend on CUDA")
-    if batch.needs_general_path:
-        raise ValueError(f"{op}(): logit_bias, penalties and bans take the general path "
-                         "(PyTorch processing with host synchronisation), which cannot run "
-                         "inside CUDA-graph capture; temperature, min_p, top_k, top_p and "
-                         "logprobs can")
+    from . import triton_backend
+
+    if triton_backend.route(plan) == "general":
+        raise ValueError(f"{op}(): bans, and logit_bias / penalties together with min_p, "
+                         "top_k, top_p, logprobs or a draft distribution, take the general "
+                         "path (PyTorch processing with host synchronisation), which cannot "
+                         "run inside CUDA-graph capture; temperature, min_p, top_k, top_p "
+                         "and logprobs can, and logit_bias / penalties without those")
 
 
 def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
@@ -109,15 +111,13 @@ def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
 def _run_in_call(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     backend = select_backend(plan.logits.device)
     batch = plan.batch
-    _refuse_uncapturable(backend, batch, op, plan.logits.device)
+    _refuse_uncapturable(backend, plan, op, plan.logits.device)
     n_greedy = batch.num_greedy
     # Recorded before running, so that a forbidden path raises before doing any work.
     if backend == "triton":
         from . import triton_backend
 
-        kind = ("general" if batch.needs_general_path else
-                "filtered" if batch.needs_filter else "fused")
-        paths.record(f"triton.{op}.{kind}", plan.num_rows)
+        paths.record(f"triton.{op}.{triton_backend.route(plan)}", plan.num_rows)
         out, err = triton_backend.run(plan, op)
     else:
         paths.record(f"torch.{op}" if op == "sample" else f"torch.verify.{_draft_kind(plan)}",

@@ -191,8 +191,12 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     launch settings (:func:`specsample.workspace.release` drops every entry instead).
     ``num_draft_tokens`` None: sample()'s all-zero counts."""
     if not (_ENV_ENABLED and _ENABLED.get()) or type(logits) is not torch.Tensor or (
-            not _on_cuda(logits)) or batch.needs_general_path:
-        return None  # (the general path is refused anyway: not worth two recordings)
+            not _on_cuda(logits)) or batch.needs_general_path and (
+            batch.needs_bans or batch.needs_filter or batch.max_logprobs >= 0
+            or draft_logits is not None or draft_probs is not None):
+        # (the general path, whose recordings would fail anyway: not worth two of them;
+        # logit_bias / penalties alone are applied in the kernels and may replay)
+        return None
     if type(method) is not str or type(max_num_draft_tokens) not in (int, type(None)):
         return None  # (validated, and refused if wrong, by the usual path)
     backend = _backend_env()

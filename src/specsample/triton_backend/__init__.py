@@ -7,9 +7,15 @@ Paths (``specsample.paths``):
 * ``triton.sample.filtered`` / ``triton.verify.filtered``: the fused path with min_p / top_k /
   top_p: the kernels of ``filters`` find each row's cut exactly from the model's own logits
   (no sort of the row, no FP32 copy), then the same kernels draw from the survivors.
-* ``triton.sample.general`` / ``triton.verify.general``: a request needs logit_bias,
-  penalties or bans; the processed float32 logits are materialised by ``specsample.processing``
-  (PyTorch), then the same kernels run on them (a counted fallback).
+* ``triton.sample.fused`` / ``triton.verify.fused`` also serve logit_bias and presence /
+  frequency / repetition penalties, applied as the kernels load each row (``penalties``:
+  the bias entries of the request, its output counts and prompt flags from the batch's
+  device state, the drafts before the row), when the batch has no bans, min_p, top_k,
+  top_p or logprobs and the call no draft distribution (:func:`fused_processing`); the path
+  ``triton.processing.fused`` counts those rows.
+* ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, or logit_bias /
+  penalties beyond what the kernels apply; the processed float32 logits are materialised by
+  ``specsample.processing`` (PyTorch), then the same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
   deterministic trees, the same launches over the node rows (``tree.py``);
   ``triton.verify_tree.walk``: without logprobs, their walk and outputs in one more launch.
@@ -88,7 +94,23 @@ PROGRAMS_PER_SM = 8
 # spills, in the draw), the statistics pass keeps its occupancy (BENCHMARKS.md, "One launch
 # for an eager call's unfiltered rows").
 FUSED_MAXNREG = 48
+# Launch options of the kernels that apply logit_bias / penalties (``penalties``): no
+# floating-point contraction, so that ``z - f * count`` rounds as PyTorch's does.
+PEN_OPTIONS = {"enable_fp_fusion": False}
+# Their single launch's register cap and tiles per chunk of their statistics pass: at
+# FUSED_MAXNREG (48) and 2 tiles the processing spills (repetition + presence at B = 128:
+# 1.4 ms); 1 tile at 96 registers was the best of 1-2 tiles x 64-168 registers for both
+# penalties (272-274 us) and logit_bias alone (126 us) (H200, BENCHMARKS.md, "logit_bias
+# and penalties in the kernels").
+PEN_MAXNREG = 96
+PEN_TILES_PER_CHUNK = 1
+
+
+def _pen_kind(plan: Plan, pen: bool) -> int:
+    """The kernels' PEN constexpr: 0 (no processing), 1 (logit_bias alone), 2 (penalties)."""
+    return 0 if not pen else 2 if plan.batch.needs_penalties else 1
 _SEPARATE = contextvars.ContextVar("specsample_separate_launches", default=False)
+_GENERAL = contextvars.ContextVar("specsample_general_path", default=False)
 
 
 def _interpreting(device: torch.device) -> bool:
@@ -121,18 +143,69 @@ def _splits(rows: int, vocab: int, tpc: int, device: torch.device) -> tuple[int,
 MERGED_PROBS_MAX_ROWS = 64
 
 
+def fused_processing(plan: Plan) -> bool:
+    """Whether the kernels apply the batch's logit_bias and penalties themselves
+    (``penalties``) instead of the general path: a batch that sets some of them, without bans,
+    min_p / top_k / top_p or logprobs, in a call without draft_logits / draft_probs."""
+    batch = plan.batch
+    return ((batch.needs_bias or batch.needs_penalties) and not batch.needs_bans
+            and not batch.needs_filter and batch.max_logprobs < 0 and not plan.has_draft_dist
+            and not _GENERAL.get())
+
+
+@contextlib.contextmanager
+def general_path():
+    """Within the block (this thread or task), logit_bias and penalties take the general path
+    even where the kernels could apply them (:func:`fused_processing`): the baseline that
+    ``specsample.bench`` measures the fused path against."""
+    token = _GENERAL.set(True)
+    try:
+        yield
+    finally:
+        _GENERAL.reset(token)
+
+
+def route(plan: Plan) -> str:
+    """The path of a sample() / verify() call on this backend: "general", "filtered" or
+    "fused" (module docstring)."""
+    batch = plan.batch
+    if batch.needs_general_path and not fused_processing(plan):
+        return "general"
+    return "filtered" if batch.needs_filter else "fused"
+
+
+def _pen_args(plan: Plan, on: bool) -> tuple:
+    """The kernels' ``penalties`` arguments (rep, freq, presence, counts, prompt mask, CV,
+    bias_start, bias ids, bias values) of the batch, or placeholders (never read) when not
+    ``on``."""
+    batch, dev = plan.batch, plan.logits.device
+    f32 = workspace.zeros((1,), torch.float32, dev)
+    i64 = workspace.zeros((1,), torch.int64, dev)
+    if not on:
+        return (f32, f32, f32, f32, workspace.zeros((1,), torch.uint8, dev), 0, i64, i64, f32)
+    counts, cv = batch.output_counts, batch.output_counts.shape[1]
+    prompt = batch.prompt_mask.view(torch.uint8)
+    ids, vals = batch.bias_ids, batch.bias_val
+    return (batch.repetition_penalty, batch.frequency_penalty, batch.presence_penalty,
+            counts if cv else f32, prompt if cv else workspace.zeros((1,), torch.uint8, dev),
+            cv, batch.bias_start, ids if ids.numel() else i64, vals if vals.numel() else f32)
+
+
 def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bool,
-                  draft: tuple | None = None):
+                  draft: tuple | None = None, pen: bool = False):
     """The statistics pass (``kernels.stats_kernel``) of the target rows x [R, V] and, with
     ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities)), of the draft
     rows at the request temperatures: in the same launch, except for more than
     ``MERGED_PROBS_MAX_ROWS`` rows of probabilities (then a launch of their own first).
     Returns ((part_m, part_s, part_f), tiles, (S, CPS, NT)) of the target rows and
-    ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``)."""
+    ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``). ``pen``: the
+    target rows are processed with the batch's logit_bias and penalties (:func:`_pen_args`)."""
     rows, vocab = x.shape
+    pen_args = _pen_args(plan, pen)
     dev = x.device
     warps = STATS_NUM_WARPS if not _interpreting(dev) else 1
-    s, cps, nt = _splits(rows, vocab, TILES_PER_CHUNK, dev)
+    tpc = PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK
+    s, cps, nt = _splits(rows, vocab, tpc, dev)
     part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
     target = (x, x.stride(0), vocab, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
               plan.k_given, temp, part_m, part_s, part_f, *tiles, s, cps, nt)
@@ -141,12 +214,15 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
         if rows:
             launch(kernels.stats_kernel)[(rows, s)](
                 *target, 0, x, x.stride(0), vocab, plan.row_req, plan.row_j, temp, part_m,
-                part_s, part_f, s, cps, WRITE_TOP=write_top, DRAFT=0, TPC=TILES_PER_CHUNK,
-                BLOCK=BLOCK, num_warps=warps)
+                part_s, part_f, s, cps, *pen_args, WRITE_TOP=write_top, DRAFT=0,
+                PEN=_pen_kind(plan, pen), TPC=tpc, BLOCK=BLOCK, num_warps=warps,
+                **(PEN_OPTIONS if pen else {}))
 
     if draft is None:
         target_rows()
         return (part_m, part_s, part_f), tiles, (s, cps, nt), None
+    if pen:
+        raise ValueError("_launch_stats: logit_bias / penalties in the kernels take no draft rows")
     d, is_probs = draft
     drows, dv = d.shape
     ds, dcps, _ = _splits(drows, dv, TILES_PER_CHUNK, dev)
@@ -156,9 +232,9 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bo
     grid = (drows + rows, max(s, ds)) if merged else (drows, ds)
     launch(kernels.stats_kernel)[grid](
         *target, drows, d, d.stride(0), dv, plan.draft_req, plan.draft_j,
-        plan.batch.temperature, *dparts, ds, dcps, WRITE_TOP=write_top if merged else False,
-        DRAFT=1 + int(is_probs), TPC=TILES_PER_CHUNK, BLOCK=BLOCK,
-        num_warps=warps)
+        plan.batch.temperature, *dparts, ds, dcps, *pen_args,
+        WRITE_TOP=write_top if merged else False, DRAFT=1 + int(is_probs), PEN=0,
+        TPC=TILES_PER_CHUNK, BLOCK=BLOCK, num_warps=warps)
     if not merged:
         paths.record("triton.stats.draft_probs_apart", drows)
         target_rows()
@@ -312,7 +388,7 @@ def separate_launches():
 
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
               filtered: bool, rank: bool = False, finish: tuple | None = None,
-              draft: tuple | None = None):
+              draft: tuple | None = None, pen: bool = False):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
     (``row_j <= k_eff`` of its request): x [R, V] the rows (model dtype, or the general path's
     float32 processed logits with ``temp`` all ones), temp [N] float32, draft_ids [>= max
@@ -329,7 +405,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     buffer); ``finish`` must then be None, else ValueError), the statistics pass covers the
     draft rows too (:func:`_launch_stats`: in the target rows' launch, or one of their own
     for many rows of probabilities), and ``sample_kernel`` combines their splits into that
-    buffer (max, log-normaliser, flags).
+    buffer (max, log-normaliser, flags). ``pen``: the kernels apply the batch's logit_bias
+    and penalties to the rows as they read them (:func:`fused_processing`).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
@@ -348,8 +425,10 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                    workspace.scratch("rank.count", (rows,), torch.int32, dev))
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
+    pen_args = _pen_args(plan, pen)
     if finish is not None and not filtered and one_launch():
-        s, cps, nt = _splits(rows, plan.vocab_size, TILES_PER_CHUNK, dev)
+        tpc = PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK
+        s, cps, nt = _splits(rows, plan.vocab_size, tpc, dev)
         part_m, part_s, part_f, tiles = _stats_buffers(rows, s, nt, dev)
         if rows:
             paths.record("triton.one_launch", rows)
@@ -358,13 +437,15 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                 x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
                 plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
                 part_m, part_s, part_f, tiles[0], tiles[1], s, cps, nt, y, stats, done,
-                *finish, S_MAX=S_MAX, TPC=TILES_PER_CHUNK, BLOCK=BLOCK,
+                *finish, *pen_args, PEN=_pen_kind(plan, pen), S_MAX=S_MAX, TPC=tpc, BLOCK=BLOCK,
                 **({"num_warps": 1} if interp else
-                   {"num_warps": STATS_NUM_WARPS, "maxnreg": FUSED_MAXNREG}))
+                   {"num_warps": STATS_NUM_WARPS,
+                    "maxnreg": PEN_MAXNREG if pen else FUSED_MAXNREG}),
+                **(PEN_OPTIONS if pen else {}))
         return (part_m, part_s, part_f), tiles, nt, y, stats, (part_m, part_f), ranking, True
     (part_m, part_s, part_f), tiles, (s, _cps, nt), draft_parts = _launch_stats(
         x, plan, draft_ids, temp, write_top=filtered or rank,
-        draft=None if draft is None else draft[:2])
+        draft=None if draft is None else draft[:2], pen=pen)
     # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
     cut_v, cut_i = part_m, part_f
     if filtered:
@@ -379,9 +460,11 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
             plan.draft_start, plan.k_given, temp, batch.temperature, *draw_args,
             part_m, part_s, part_f, tiles[0], tiles[1], s, nt, y, stats, cut_v, cut_i,
             tiles[2], batch.logprobs_n, *(ranking or (y, stats)), *dparts, ds, dstats,
-            draft_kind, FILTERED=filtered, RANK=rank,
-            NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, S_MAX=S_MAX,
-            TPC=TILES_PER_CHUNK, BLOCK=BLOCK, num_warps=STATS_NUM_WARPS if not interp else 1)
+            draft_kind, *pen_args, FILTERED=filtered, RANK=rank,
+            NT_SORT=max(npad, triton.next_power_of_2(nt)), NPAD=npad, PEN=_pen_kind(plan, pen),
+            S_MAX=S_MAX, TPC=PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK, BLOCK=BLOCK,
+            num_warps=STATS_NUM_WARPS if not interp else 1,
+            **(PEN_OPTIONS if pen else {}))
     return (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, False
 
 
@@ -436,8 +519,11 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     batch = plan.batch
     dev = plan.logits.device
     n, k = plan.num_requests, plan.max_k
-    general = batch.needs_general_path
+    pen = fused_processing(plan)
+    general = batch.needs_general_path and not pen
     filtered = batch.needs_filter and not general
+    if pen:
+        paths.record("triton.processing.fused", plan.num_rows)
     if general:
         # PyTorch processing (float32 copy), with its own error bits: rows emptied by bans and
         # logits that bias / penalties overflowed are reported as such, not as bad raw logits.
@@ -486,7 +572,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
                   rank=fused_logprobs and batch.max_logprobs > 0,
                   finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
                       plan.row_start, token_ids, num_accepted, err, invalid, res_row,
-                      k, *lp_args), draft=draft_rows)
+                      k, *lp_args), draft=draft_rows, pen=pen)
     if draft is None:  # (never read: no draft distribution)
         draft, dstride, dv, dstats = part_m, 0, 1, stats
 
@@ -667,7 +753,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
 
     Runs sample() and verify() per (target dtype, draft kind, draft dtype, method) with
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
-    and on the general path (float32 processed logits), and sample() with raw and processed
+    with logit_bias and penalties applied in the kernels, and on the general path (float32
+    processed logits), and sample() with raw and processed
     logprobs on each of those paths (the logprob kernels), and the kernels of a device
     ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same),
@@ -700,6 +787,13 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
     general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
+    # logit_bias and penalties in the kernels (fused_processing): with penalties (the counts'
+    # row stride is V) and with logit_bias alone (0), which key apart when 16 does not divide V
+    penalised = [[SamplingParams(temperature=0.0, repetition_penalty=1.1, logit_bias={0: 0.5}),
+                  SamplingParams(temperature=0.8, seed=1, presence_penalty=0.5,
+                                 frequency_penalty=0.2)],
+                 [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
+                  SamplingParams(temperature=0.8, seed=1, logit_bias={1: -0.5})]]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
 
@@ -713,8 +807,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
                 drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
                                        device=device)
-                for plist in (params, general):  # (the general path: float32 rows)
-                    for lp in (None, 0):
+                for plist in (params, general, *penalised):  # (general: float32 rows)
+                    for lp in (None, 0) if plist in (params, general) else (None,):
                         batch = SamplingBatch.from_params(
                             [dataclasses.replace(p, logprobs=lp) for p in plist],
                             vocab_size=vocab_size, device=device)
@@ -750,6 +844,11 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
             target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)
             rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
             drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen, device=device)
+            for plist in penalised:
+                batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+                sample(target, batch, positions=pos, strict=False)
+                verify(rows, drafts, k, batch, positions=pos, strict=False)
+                calls += 2
             for plist in (params, filtered, general):
                 batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
                 sample(target, batch, positions=pos, strict=False)

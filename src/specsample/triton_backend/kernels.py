@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .. import rng
 from .logprobs import rank_tiles
+from .penalties import process, setup
 
 STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
 STREAM_ACCEPT = tl.constexpr(rng.STREAM_ACCEPT)
@@ -46,11 +47,16 @@ NT_CHUNK = tl.constexpr(128)
 # NaN or +inf (logits), or NaN / inf / negative (draft probs)
 FLAG_BAD = tl.constexpr(1)
 FLAG_FINITE = tl.constexpr(2)  # at least one finite value
+# Rows processed with logit_bias / penalties inside the kernels (``penalties``): FLAG_BAD and
+# FLAG_FINITE then describe the processed values (the finish reads the raw row again only
+# when they are bad: ``_raw_row_flags``).
+FLAG_PROCESSED = tl.constexpr(4)
 
 ERR_LOGITS_NAN = tl.constexpr(1)
 ERR_LOGITS_NO_FINITE = tl.constexpr(2)
 ERR_DRAFT_ID = tl.constexpr(4)
 ERR_DRAFT_ROW = tl.constexpr(8)
+ERR_PROCESSED_OVERFLOW = tl.constexpr(16)
 
 # Integer arguments that vary per call and say nothing about alignment are not specialised
 # (no recompilation when they change). Row strides and vocabulary sizes stay specialised: their
@@ -168,8 +174,9 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
                  tilesum_ptr, tiletop_ptr, S, CPS, NT, R, d_ptr, dstride, DV, draft_req_ptr,
                  draft_j_ptr, req_temp_ptr, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, DCPS,
-                 WRITE_TOP: tl.constexpr, DRAFT: tl.constexpr, TPC: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+                 bval_ptr, WRITE_TOP: tl.constexpr, DRAFT: tl.constexpr, PEN: tl.constexpr,
+                 TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
     probabilities) and flags; for the target rows also, per tile, a reference ``ref`` (the
     max of its chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
@@ -188,9 +195,15 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     rows, so target and draft rows take one launch (grid (R + target rows, max(S, DS)); a
     program past its row's split count does nothing). The draft rows first: at B = 128 with
     draft logits that was 6 us faster than after the target rows (H200, BENCHMARKS.md).
-    A grid of R rows alone is a launch of draft rows only."""
+    A grid of R rows alone is a launch of draft rows only.
+
+    PEN 1 (logit_bias) or 2 (penalties too): the target rows are processed as they are loaded
+    (``penalties.process``; the ``rep_ptr`` .. ``bval_ptr`` arguments), and their flags
+    describe the processed values (with FLAG_PROCESSED)."""
     r = tl.program_id(0)
     s = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     if DRAFT != 0:
         if r < R:
             dr = r
@@ -200,40 +213,43 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                                           DRAFT == 2))
             _split_stats(d_ptr, dstride, DV, dr, s, live, tl.load(req_temp_ptr + req),
                          dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, tilemax_ptr, tilesum_ptr,
-                         tiletop_ptr, DS, DCPS, NT, DRAFT == 2, False, False, TPC, BLOCK)
+                         tiletop_ptr, DS, DCPS, NT, req, j, pen, DRAFT == 2, False, False,
+                         False, TPC, BLOCK)
         else:
             _target_split_stats(x_ptr, stride, V, r - R, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
                                 draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr,
                                 part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr,
-                                tiletop_ptr, S, CPS, NT, WRITE_TOP, TPC, BLOCK)
+                                tiletop_ptr, S, CPS, NT, pen, WRITE_TOP, PEN, TPC, BLOCK)
     else:
         _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
                             draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr,
                             part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
-                            WRITE_TOP, TPC, BLOCK)
+                            pen, WRITE_TOP, PEN, TPC, BLOCK)
 
 
 @triton.jit
 def _target_split_stats(x_ptr, stride, V, r, s, row_req_ptr, row_j_ptr, draft_ids_ptr,
                         draft_start_ptr, k_given_ptr, temp_ptr, part_m_ptr, part_s_ptr,
-                        part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
-                        WRITE_TOP: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                        part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, pen,
+                        WRITE_TOP: tl.constexpr, PEN: tl.constexpr, TPC: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """:func:`stats_kernel`'s work for split ``s`` of target row ``r``."""
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = (s < S) & (j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False))
     _split_stats(x_ptr, stride, V, r, s, live, tl.load(temp_ptr + req), part_m_ptr,
                  part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT,
-                 False, True, WRITE_TOP, TPC, BLOCK)
+                 req, j, pen, False, True, WRITE_TOP, PEN, TPC, BLOCK)
 
 
 @triton.jit
 def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
-                 tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, IS_PROBS: tl.constexpr,
-                 WRITE_TILES: tl.constexpr, WRITE_TOP: tl.constexpr, TPC: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 tilemax_ptr, tilesum_ptr, tiletop_ptr, S, CPS, NT, req, j, pen,
+                 IS_PROBS: tl.constexpr, WRITE_TILES: tl.constexpr, WRITE_TOP: tl.constexpr,
+                 PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """The statistics of split ``s`` of row ``r`` (:func:`stats_kernel`); ``t`` the row's
-    temperature (0 for greedy rows: then 1)."""
+    temperature (0 for greedy rows: then 1); with PEN the values of row ``j`` of request
+    ``req`` processed by ``penalties.process`` (``pen``)."""
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
     scale = inv_t * 1.4426950408889634  # exp(y / T) = exp2(y * scale)
     CHUNK: tl.constexpr = TPC * BLOCK
@@ -245,10 +261,14 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
     acc = 0.0
     if live:
         base = x_ptr + r.to(tl.int64) * stride
+        if PEN:
+            st = setup(s * CPS * CHUNK, req, pen)
         for c in range(s * CPS, s * CPS + CPS):  # chunks past the row end are fully masked
             offs = c * CHUNK + offs0
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            if PEN:
+                x, st = process(x, offs, c * CHUNK, c * CHUNK + CHUNK, req, j, j, st, pen, PEN == 2)
             if IS_PROBS:
                 cmax = tl.max(x, axis=0)
                 fin = (x > -float("inf")) & (x < float("inf"))
@@ -284,6 +304,8 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
     else:
         bad = (acc != acc) | (m == float("inf"))
         flags = tl.where(bad, FLAG_BAD, 0) | tl.where(m > -float("inf"), FLAG_FINITE, 0)
+        if PEN:
+            flags |= FLAG_PROCESSED
     o = r.to(tl.int64) * S + s
     ok = s < S  # (stats_kernel's grid may have more splits than this row)
     tl.store(part_m_ptr + o, m, mask=ok)
@@ -311,8 +333,13 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, IS_PROBS, S_MAX: tl.
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.where(pm == -float("inf"), 0.0, ps * tl.exp((pm - m_safe) / t)),
                        axis=0)
-    flags = tl.max(pf & FLAG_BAD, axis=0) | tl.max(pf & FLAG_FINITE, axis=0)
+    flags = tl.reduce(pf, 0, _bit_or)
     return m, tl.log(total), flags
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit
@@ -361,11 +388,12 @@ def _best_sub(key, tile, seed_lo, seed_hi, pos, stream: tl.constexpr, BLOCK: tl.
 
 @triton.jit
 def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
-                  pos, cut_v, cut_i, BLOCK: tl.constexpr):
+                  pos, cut_v, cut_i, req, j, pen, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Exact draw from softmax((x - m) / t) of row ``r``, restricted to the survivors of the
     cut (cut_v, cut_i), by three-level Gumbel-max: a tile with keys log-mass + G
     (STREAM_SAMPLE_TILE), a sub-tile of it (STREAM_SAMPLE_SUB), then a token of that sub-tile
-    with keys (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend."""
+    with keys (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend.
+    With PEN, x is row ``j`` of request ``req`` processed (``penalties.process``)."""
     best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
@@ -381,12 +409,18 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     row = x_ptr + r.to(tl.int64) * stride
     offs = bt * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    if PEN:
+        x, _ = process(x, offs, bt * BLOCK, bt * BLOCK + BLOCK, req, j, j,
+                       setup(bt * BLOCK, req, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     sb = _best_sub(tl.where(fin, (x - m) / t, -float("inf")), bt, seed_lo, seed_hi, pos,
                    STREAM_SAMPLE_SUB, BLOCK)
     # The chosen sub-tile only (re-read from cache): noise for SUBTILE tokens, not BLOCK.
     offs = sb * SUBTILE + tl.arange(0, SUBTILE)
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    if PEN:
+        x, _ = process(x, offs, sb * SUBTILE, sb * SUBTILE + SUBTILE, req, j, j,
+                       setup(sb * SUBTILE, req, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     key = tl.where(fin, (x - m) / t, -float("inf"))
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
@@ -406,9 +440,11 @@ def _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t):
 
 
 @triton.jit
-def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC: tl.constexpr, BLOCK: tl.constexpr):
+def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN: tl.constexpr,
+               TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Lowest token id of row ``r`` whose value is the row max ``m`` (greedy argmax): the max
-    lies in the first chunk whose reference (its max) equals ``m``; scan that chunk's tiles."""
+    lies in the first chunk whose reference (its max) equals ``m``; scan that chunk's tiles
+    (with PEN, processed as :func:`_tiled_sample`'s)."""
     first = 2147483647
     for c in range(0, NT, NT_CHUNK):
         offs = c + tl.arange(0, NT_CHUNK)
@@ -421,6 +457,9 @@ def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC: tl.constexpr, BLOCK
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
                     other=-float("inf")).to(tl.float32)
+        if PEN:
+            x, _ = process(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j, j,
+                           setup(tile * BLOCK, req, pen), pen, PEN == 2)
         best = tl.minimum(best, tl.min(tl.where(x == m, offs, 2147483647), axis=0))
     return tl.where(best < V, best, 0)
 
@@ -432,9 +471,10 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr,
                   cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr,
                   dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, dstats_ptr, draft_kind,
-                  FILTERED: tl.constexpr, RANK: tl.constexpr, NT_SORT: tl.constexpr,
-                  NPAD: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                  bids_ptr, bval_ptr, FILTERED: tl.constexpr, RANK: tl.constexpr,
+                  NT_SORT: tl.constexpr, NPAD: tl.constexpr, PEN: tl.constexpr,
+                  S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact three-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
@@ -447,8 +487,11 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     its draft row j (j < k_given) into dstats [drafts, 3] = (max, log-normaliser, flags) at the
     request's temperature (probabilities: log of the plain sum), which the finish and the
     residual kernels read: one combine per draft row instead of one in every kernel that
-    reads the row. A runtime flag, not a constant: no sampling-kernel variants of its own."""
+    reads the row. A runtime flag, not a constant: no sampling-kernel variants of its own.
+    PEN: as :func:`stats_kernel`'s (the draw reads the processed values)."""
     r = tl.program_id(0)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
@@ -465,8 +508,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     _draw_row(x_ptr, stride, V, r, req, j, live, tl.load(temp_ptr + req), req_temp_ptr,
               seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
               tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr,
-              tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr, FILTERED, RANK, NT_SORT, NPAD, S_MAX,
-              TPC, BLOCK)
+              tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr, pen, FILTERED, RANK, NT_SORT, NPAD,
+              PEN, S_MAX, TPC, BLOCK)
 
 
 @triton.jit(**_NOSPEC)
@@ -475,8 +518,10 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                       part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, CPS, NT,
                       out_y_ptr, out_stats_ptr, done_ptr, row_start_ptr, out_tok_ptr,
                       out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
-                      lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, S_MAX: tl.constexpr,
-                      TPC: tl.constexpr, BLOCK: tl.constexpr):
+                      lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, rep_ptr, freq_ptr, pres_ptr,
+                      counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
+                      PEN: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """:func:`stats_kernel` (logits, with tiles), :func:`sample_kernel` (unfiltered, no tile
     ranking) and :func:`finish_kernel` (no draft distributions) in one launch: the last of a
     row's S split programs to finish draws the row's token, and the last of a request's
@@ -491,17 +536,20 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     reads k_eff finishes the request. ``done_ptr`` [rows + requests] int32 is all zeros before
     the launch and after it. So the draw starts as soon as its row has been read, while other
     rows are still being read, and nothing waits for a second or third launch (the
-    single-pass "last block" pattern of CUDA's threadFenceReduction sample)."""
+    single-pass "last block" pattern of CUDA's threadFenceReduction sample). PEN: as
+    :func:`stats_kernel`'s."""
     r = tl.program_id(0)
     s = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
     live = j <= k_eff
     t = tl.load(temp_ptr + req)
     _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
-                 tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT, False, True, False, TPC,
-                 BLOCK)
+                 tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT, req, j, pen, False, True,
+                 False, PEN, TPC, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr + r, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:
@@ -510,8 +558,8 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
         _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr,
                   seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
                   tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, part_m_ptr, part_f_ptr,
-                  tilemax_ptr, part_f_ptr, part_f_ptr, part_f_ptr, False, False, 1, 1, S_MAX,
-                  TPC, BLOCK)
+                  tilemax_ptr, part_f_ptr, part_f_ptr, part_f_ptr, pen, False, False, 1, 1, PEN,
+                  S_MAX, TPC, BLOCK)
         if live:
             tl.debug_barrier()
             req_done = done_ptr + tl.num_programs(0) + req
@@ -533,9 +581,9 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
 def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
               pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT,
               out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr,
-              count_ptr, FILTERED: tl.constexpr, RANK: tl.constexpr, NT_SORT: tl.constexpr,
-              NPAD: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
-              BLOCK: tl.constexpr):
+              count_ptr, pen, FILTERED: tl.constexpr, RANK: tl.constexpr,
+              NT_SORT: tl.constexpr, NPAD: tl.constexpr, PEN: tl.constexpr,
+              S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``r``'s statistics and token (:func:`sample_kernel`); ``t`` the temperature of
     the row's pass (0 for greedy rows)."""
     t = tl.where(t > 0, t, 1.0)
@@ -552,9 +600,9 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
     if ok & (tl.load(req_temp_ptr + req) > 0):
         y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
                           tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
-                          tl.load(pos_ptr + req) + j, cut_v, cut_i, BLOCK)
+                          tl.load(pos_ptr + req) + j, cut_v, cut_i, req, j, pen, PEN, BLOCK)
     elif ok:
-        y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, TPC, BLOCK)
+        y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
     if RANK:
         n_top = tl.load(lp_n_ptr + req)
@@ -676,6 +724,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
     use_dist = (req_t > 0).to(tl.int32) * HAS_DRAFT
 
     err = k.to(tl.int32) * 0
+    proc_bad = err
     n_acc = k * 0  # accepted drafts
     matching = err + 1  # still accepting (token level / one-hot)
     rho = 1.0  # block: rho_j before draft j
@@ -695,8 +744,22 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
         m = tl.load(stats_ptr + ro, mask=row, other=0.0)
         logz = tl.load(stats_ptr + ro + 1, mask=row, other=0.0)
         flags = tl.load(stats_ptr + ro + 2, mask=row, other=0.0).to(tl.int32)
-        err |= _any(row & ((flags & FLAG_BAD) != 0), ERR_LOGITS_NAN)
-        err |= _any(row & ((flags & (FLAG_BAD | FLAG_FINITE)) == 0), ERR_LOGITS_NO_FINITE)
+        # Rows processed in the kernels: flags of the processed values. Processed values
+        # that are all fine mean raw ones that are (a raw NaN / +inf stays one, a finite
+        # processed value was finite raw); else the raw row is read again to tell a bad raw
+        # logit from ERR_PROCESSED_OVERFLOW (below).
+        proc = (flags & FLAG_PROCESSED) != 0
+        suspect = row & proc & (((flags & FLAG_BAD) != 0) | ((flags & FLAG_FINITE) == 0))
+        raw = tl.where(proc, FLAG_FINITE, flags)
+        if tl.max(suspect.to(tl.int32), axis=0) != 0:
+            for q in range(0, J_BLOCK):
+                if _lane(suspect.to(tl.int32), q) != 0:
+                    raw = tl.where(lanes == q, _raw_row_flags(x_ptr, stride, V, start + c + q),
+                                   raw)
+        raw_bad = (raw & FLAG_BAD) != 0
+        err |= _any(row & raw_bad, ERR_LOGITS_NAN)
+        err |= _any(row & ~raw_bad & ((raw & FLAG_FINITE) == 0), ERR_LOGITS_NO_FINITE)
+        proc_bad |= _any(suspect, ERR_PROCESSED_OVERFLOW)
         y = tl.load(y_ptr + r, mask=row, other=0)
         d = tl.load(draft_ids_ptr + dstart + j, mask=is_draft, other=0)
         bad_id = is_draft & ((d < 0) | (d >= V))
@@ -765,6 +828,8 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
             emit = tl.where(stops, _lane(y, first), emit)
             n_acc += tl.where(matching != 0, first, 0)
             matching = tl.where(stops, 0, matching)
+    # (as the PyTorch backend: only a request whose raw logits and drafts are valid)
+    err |= tl.where(err == 0, proc_bad, 0)
     if RHO_ONLY:
         # Every draft row of the request gets its final rho_row: -1 (block_mass_kernel skips
         # it) where Z_j cannot change tau: eta_k <= rho_k already gives tau = k, the largest;
@@ -779,6 +844,21 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                         out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t,
                         stats_ptr, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
                         lp_i_ptr, lp0, HAS_DRAFT)
+
+
+@triton.jit
+def _raw_row_flags(x_ptr, stride, V, r):
+    """FLAG_BAD (a NaN or +inf) | FLAG_FINITE (a finite value) of raw row ``r``, read whole
+    (an invalid request's row only)."""
+    bad = 0
+    fin = 0
+    for c in range(0, V, 1024):
+        offs = c + tl.arange(0, 1024)
+        x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
+                    other=-float("inf")).to(tl.float32)
+        bad |= _any((x != x) | (x == float("inf")), FLAG_BAD)
+        fin |= _any((x > -float("inf")) & (x < float("inf")), FLAG_FINITE)
+    return bad | fin
 
 
 @triton.jit

@@ -1,0 +1,266 @@
+"""logit_bias and penalties applied inside the Triton kernels (``triton_backend.penalties``):
+the same tokens, error bits and paths as the torch backend, which the float64 reference and
+the statistical tests check (tests/test_processing.py, tests/test_exactness.py).
+
+On CPU the kernels run in Triton's interpreter (V <= 4096 and a few tiles); on a CUDA machine
+the same tests run the compiled kernels. Each case also checks that its penalties change the
+tokens, so that a kernel ignoring them would fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import specsample
+from specsample import SamplingBatch, SamplingParams, paths, torch_backend
+from specsample.plan import build_plan
+
+triton_backend = pytest.importorskip("specsample.triton_backend")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (name, params of the odd requests; the even ones keep temperature alone). All but "boost"
+# change the tokens of these rows (checked: a kernel that ignored them would fail).
+CASES = [
+    ("repetition", dict(repetition_penalty=1.9)),
+    ("frequency+presence", dict(frequency_penalty=1.7, presence_penalty=0.9)),
+    ("bias", dict(logit_bias={0: 9.0, 5: -30.0, 2047: 10.0, 2048: 9.5, 4100: 8.0})),
+    ("all", dict(repetition_penalty=2.5, frequency_penalty=0.3, presence_penalty=0.8,
+                 logit_bias={1: 9.0, 3: -1.0, 2100: 8.0})),
+    ("boost", dict(repetition_penalty=0.6, presence_penalty=-0.8)),
+]
+
+
+def _case(seed: int, n: int, vocab: int, dtype, params_kw: dict, *, k_max: int = 4,
+          history: int = 40):
+    """Rows whose largest logits sit on tokens the requests have seen (their outputs and
+    prompts, and their drafts: the drafts are the row's argmax most of the time), so that the
+    penalties decide the draws."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = [int(torch.randint(0, k_max + 1, (), generator=gen)) for _ in range(n)]
+    rows = n + sum(ks)
+    outputs = [[int(t) for t in torch.randint(0, vocab, (history,), generator=gen)]
+               for _ in range(n)]
+    prompts = [[int(t) for t in torch.randint(0, vocab, (8,), generator=gen)] for _ in range(n)]
+    logits = torch.randn(rows, vocab, generator=gen) * 1.5
+    drafts, r = [], 0
+    for i, k in enumerate(ks):
+        hot = torch.tensor(outputs[i][:6] + prompts[i][:3])
+        logits[r:r + k + 1, hot] += 5.0
+        for j in range(k):
+            top = int(logits[r + j].argmax())
+            drafts.append(top if torch.rand((), generator=gen) < 0.7 else
+                          int(torch.randint(0, vocab, (), generator=gen)))
+        r += k + 1
+    temps = [0.0, 0.7, 1.0, 1.3]
+    params = [SamplingParams(temperature=temps[i % 4], seed=500 + i,
+                             **({} if i % 2 == 0 else {
+                                 key: ({t: v for t, v in val.items() if t < vocab}
+                                       if key == "logit_bias" else val)
+                                 for key, val in params_kw.items()}))
+              for i in range(n)]
+    # greedy requests with the processors too: every other greedy one
+    params[2] = dataclasses.replace(params[2], **params[1].__dict__ | {"temperature": 0.0,
+                                                                       "seed": 502})
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      prompt_token_ids=prompts, output_token_ids=outputs)
+    pos = torch.randint(0, 2**33, (n,), generator=gen).to(DEVICE)
+    return (logits.to(dtype).to(DEVICE), torch.tensor(drafts, dtype=torch.int64).to(DEVICE),
+            ks, batch, pos)
+
+
+def _triton_verify(logits, d, ks, batch, pos, **kw):
+    paths.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.verify(logits, d, ks, batch, positions=pos, strict=False, **kw)
+    return out, paths.counts()
+
+
+def _torch_verify(logits, d, ks, batch, pos):
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks, draft_logits=None,
+                      draft_probs=None, positions=pos, method="token")
+    return torch_backend.verify(plan)
+
+
+def _plain(batch: SamplingBatch, n: int) -> SamplingBatch:
+    """The same requests with temperature and seed alone."""
+    params = [SamplingParams(temperature=p.temperature, seed=p.seed) for p in batch.params]
+    return SamplingBatch.from_params(params, vocab_size=batch.vocab_size, device=DEVICE)
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verify_matches_torch_backend(name, kw, dtype):
+    vocab = 2 * 2048 + 37  # three tiles: bias entries and seen tokens in several of them
+    logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, kw)
+    out, counts = _triton_verify(logits, d, ks, batch, pos)
+    assert "triton.verify.fused" in counts and "triton.processing.fused" in counts
+    assert not any(p.endswith(".general") for p in counts)
+    ref, ref_err = _torch_verify(logits, d, ks, batch, pos)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    assert not out.invalid.any() and not ref_err.any()
+    if name != "boost":  # (power: without the processors the tokens differ)
+        plain, _ = _triton_verify(logits, d, ks, _plain(batch, 6), pos)
+        assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
+
+
+def test_drafts_before_the_row_are_counted():
+    # One request, drafts all equal to the rows' top token: with a strong frequency penalty
+    # row j sees that token j + 1 times (one output, j drafts), so the rows' draws differ
+    # from a count of the outputs alone.
+    vocab = 600
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[:, 7] = 8.0
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.5)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=[[7]])
+    d = torch.tensor([7, 7, 7, 7])
+    logits = logits.to(DEVICE)
+    out, _ = _triton_verify(logits, d.to(DEVICE), [4], batch, torch.zeros(1, dtype=torch.int64,
+                                                                         device=DEVICE))
+    ref, _ = _torch_verify(logits, d.to(DEVICE), [4], batch,
+                           torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    # z_j(7) = x_j(7) - 1.5 (1 + j): greedy accepts 7 while it stays the row's maximum
+    z = logits.cpu().clone()
+    z[:, 7] -= 1.5 * (1 + torch.arange(5))
+    acc = 0
+    while acc < 4 and int(z[acc].argmax()) == 7:
+        acc += 1
+    assert int(out.num_accepted[0]) == acc and 0 < acc < 4, (acc, out.token_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sample_matches_torch_backend(dtype):
+    vocab = 3000
+    logits, _, _, batch, pos = _case(5, 8, vocab, dtype, CASES[3][1], k_max=0)
+    paths.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.sample(logits, batch, positions=pos, strict=False)
+    assert "triton.sample.fused" in paths.counts()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "torch")
+        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+
+
+def test_overflow_and_bad_rows_match_torch_backend():
+    # A bias that pushes a finite float32 logit to +inf: ERR_PROCESSED_OVERFLOW; a NaN raw
+    # logit stays ERR_LOGITS_NAN; a row that the repetition penalty leaves all -inf is fine
+    # while it had a finite value.
+    vocab = 300
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[0, 9] = 3e38
+    logits[1, 3] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=1, logit_bias={9: 3e38}),
+              SamplingParams(temperature=1.0, seed=2, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=4, logit_bias={4: 1.0})]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=[[], [3], [5], []])
+    logits = logits.to(DEVICE)
+    d = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    pos = torch.arange(4, device=DEVICE)
+    out, counts = _triton_verify(logits, d, [0] * 4, batch, pos)
+    assert "triton.verify.fused" in counts
+    ref, ref_err = _torch_verify(logits, d, [0] * 4, batch, pos)
+    assert ref_err.tolist() == [torch_backend.ERR_PROCESSED_OVERFLOW,
+                                torch_backend.ERR_LOGITS_NAN, 0, 0]
+    assert out.invalid.tolist() == [True, True, False, False]
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(specsample.SamplingError) as info:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        specsample.verify(logits, d, [0] * 4, batch, positions=pos, strict=True)
+    text = str(info.value)
+    assert "request 0" in text and "pushed a logit" in text.split("request 1")[0]
+    assert "NaN" in text.split("request 1")[1]
+
+
+def test_long_history_and_persistent_batch():
+    # Tens of thousands of output tokens per request, then append() of the emitted tokens:
+    # the next call's penalties see them, with no rebuild of the batch.
+    vocab = 1500
+    gen = torch.Generator().manual_seed(2)
+    outputs = [[int(t) for t in torch.randint(0, vocab, (30_000,), generator=gen)]
+               for _ in range(3)]
+    params = [SamplingParams(temperature=0.9, seed=7 + i, frequency_penalty=0.01,
+                             presence_penalty=0.2, repetition_penalty=1.1) for i in range(3)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=outputs)
+    for step in range(3):
+        logits = (torch.randn(3, vocab, generator=gen) * 2).to(DEVICE)
+        pos = torch.full((3,), step, dtype=torch.int64, device=DEVICE)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", "triton")
+            out = specsample.sample(logits, batch, positions=pos, strict=False)
+            mp.setenv("SPECSAMPLE_BACKEND", "torch")
+            ref = specsample.sample(logits, batch, positions=pos, strict=False)
+        assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+        batch.append(out)
+    assert int(batch.output_counts.sum()) == 3 * 30_003
+
+
+def test_filters_and_bans_keep_the_general_path():
+    # What the kernels do not apply with bias / penalties yet: the counted general path.
+    vocab = 300
+    logits, d, ks, batch, pos = _case(4, 4, vocab, torch.bfloat16, CASES[0][1])
+    for extra in (dict(top_k=5), dict(min_tokens=3, stop_token_ids=(4,)), dict(logprobs=0)):
+        params = [dataclasses.replace(p, **extra) for p in batch.params]
+        b = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=[[1, 2]] * 4)
+        _, counts = _triton_verify(logits, d, ks, b, pos)
+        assert "triton.verify.general" in counts and "triton.processing.fused" not in counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 262144])
+def test_gpu_equivalence_no_host_sync_and_capture(vocab):
+    # Real vocabularies: the same tokens as the torch backend; no host synchronisation; a
+    # captured call replays with new logits and drafts and sees the outputs append() adds to
+    # the batch's device state between replays.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specsample.bench import capture_graph
+
+    logits, d, ks, batch, pos = _case(11, 16, vocab, torch.bfloat16, CASES[3][1],
+                                      history=2048)
+    ks = [4] * 16  # (a fixed draft count per request: the graph's shape)
+    gen = torch.Generator().manual_seed(12)
+
+    def inputs():
+        rows = (torch.randn(16 * 5, vocab, generator=gen) * 2).to(torch.bfloat16).to("cuda")
+        drafts = rows.float().argmax(-1).view(16, 5)[:, :4].reshape(-1).contiguous()
+        return rows, drafts
+
+    rows, drafts = inputs()
+    out, counts = _triton_verify(rows, drafts, ks, batch, pos)
+    assert "triton.processing.fused" in counts
+    ref, _ = _torch_verify(rows, drafts, ks, batch, pos)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        specsample.verify(rows, drafts, ks, batch, positions=pos, strict=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = {"x": rows.clone(), "d": drafts.clone(), "pos": pos.clone()}
+    graph, graph_out = capture_graph(lambda: specsample.verify(
+        static["x"], static["d"], ks, batch, positions=static["pos"], strict=False))
+    for step in range(3):
+        rows, drafts = inputs()
+        static["x"].copy_(rows)
+        static["d"].copy_(drafts)
+        static["pos"].add_(5)
+        graph.replay()
+        ref, _ = _torch_verify(rows, drafts, ks, batch, static["pos"].clone())
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out.token_ids, ref.token_ids), step
+        batch.append(graph_out)  # (the next replay's penalties count these tokens)
