@@ -89,7 +89,12 @@ OPTION_CASES = {
     "lp0-processed": (1.0, dict(logprobs=0, logprobs_mode="processed")),
     "lp5-raw": (1.0, dict(logprobs=5)),
     "lp20-processed": (1.0, dict(logprobs=20, logprobs_mode="processed")),
+    # logit_bias / penalties: HISTORY output tokens per request; BIAS_TOKENS biased ids each
+    "T1.0+rep1.1+pres0.5": (1.0, dict(repetition_penalty=1.1, presence_penalty=0.5)),
+    "T1.0+bias16": (1.0, dict(logit_bias="random")),
 }
+HISTORY = 2048  # output tokens per request of the penalty cases (random ids)
+BIAS_TOKENS = 16  # logit_bias entries per request of the bias case (random ids, |bias| <= 2)
 
 # Performance targets (GPU, graph replay; docs/design.md).
 VERIFY_FLOOR_RATIO = 1.25  # at B = 128
@@ -263,8 +268,11 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     """Generate a case's inputs deterministically (``seed``) on ``device``.
 
     Requests get seeds 1000 + i and positions 4096 + 64 i. The general-path batch adds
-    ``logit_bias={0: 0.0}`` to every request: adding 0.0 changes no logit, but any logit_bias
-    makes ``SamplingBatch.needs_general_path`` true, so the call takes the general path.
+    ``logit_bias={0: 0.0}`` to every request without a logit_bias: adding 0.0 changes no
+    logit, but any logit_bias makes ``SamplingBatch.needs_general_path`` true (and
+    :func:`make_call`'s "unfused" variant runs inside ``triton_backend.general_path()``), so
+    the call takes the general path. The penalty cases give every request HISTORY random
+    output tokens; "T1.0+bias16" BIAS_TOKENS random ids biased by U(-2, 2) each.
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -276,8 +284,20 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         temps = [t_case] * n
     else:
         temps = request_temperatures(case.temperature, n)
-    params = [SamplingParams(temperature=t, seed=1000 + i, **extra) for i, t in enumerate(temps)]
-    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=NOOP_BIAS, **extra)
+    history = None
+    if any(key.endswith("_penalty") for key in extra):
+        history = torch.randint(0, case.vocab, (n, HISTORY), generator=gen, device=device)
+        history = history.tolist()
+    biases = [NOOP_BIAS] * n
+    if extra.get("logit_bias") == "random":
+        ids = torch.randint(0, case.vocab, (n, BIAS_TOKENS), generator=gen, device=device)
+        vals = 4 * torch.rand(n, BIAS_TOKENS, generator=gen, device=device) - 2
+        biases = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        extra = {key: v for key, v in extra.items() if key != "logit_bias"}
+    params = [SamplingParams(temperature=t, seed=1000 + i, **extra,
+                             **({} if biases[i] is NOOP_BIAS else {"logit_bias": biases[i]}))
+              for i, t in enumerate(temps)]
+    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=biases[i], **extra)
                for i, t in enumerate(temps)]
     logits = zipf_logits(sum(ks) + n, case.vocab, dtype=DTYPES[case.dtype], device=device,
                          generator=gen)
@@ -310,8 +330,10 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         num_draft, max_k = torch.tensor(ks, dtype=torch.int64, device=device), k
     return Inputs(
         logits=logits,
-        batch=SamplingBatch.from_params(params, vocab_size=case.vocab, device=device),
-        general_batch=SamplingBatch.from_params(general, vocab_size=case.vocab, device=device),
+        batch=SamplingBatch.from_params(params, vocab_size=case.vocab, device=device,
+                                        output_token_ids=history),
+        general_batch=SamplingBatch.from_params(general, vocab_size=case.vocab, device=device,
+                                                output_token_ids=history),
         positions=4096 + 64 * torch.arange(n, dtype=torch.int64, device=device),
         num_draft=num_draft, drafts=drafts, draft_logits=draft_logits, draft_probs=draft_probs,
         max_num_draft_tokens=max_k, parents=parents,
@@ -320,7 +342,8 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
 
 def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
     """The timed callable. "fused": our call as a user makes it. "unfused": ``logits.float()``
-    (FP32 materialisation, timed) then the same call with the general-path batch."""
+    (FP32 materialisation, timed) then the same call with the general-path batch, inside
+    ``triton_backend.general_path()`` (logit_bias and penalties take the general path too)."""
     if variant == "fused":
         def prepare():
             return inp.logits, inp.batch
@@ -345,7 +368,15 @@ def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
             return verify(logits, inp.drafts, inp.num_draft, batch,
                           draft_logits=inp.draft_logits, draft_probs=inp.draft_probs,
                           positions=inp.positions, method=case.method, strict=False, **kw)
-    return call
+    if variant == "fused":
+        return call
+    from . import triton_backend
+
+    def unfused():
+        with triton_backend.general_path():
+            return call()
+
+    return unfused
 
 
 def forbidden_paths(backend: str, variant: str) -> tuple[str, ...]:
