@@ -709,3 +709,32 @@ def test_layout_warm_launches_every_layout_kernel_variant(monkeypatch):
     triton_backend.layout.warm(torch.device("cpu"))
     assert seen == {("layout_kernel", None), ("mark_kernel", False), ("mark_kernel", True),
                     ("fresh_positions_kernel", None)}
+
+
+@pytest.mark.parametrize("processors", [False, True])
+def test_low_rows_before_an_all_neg_inf_tile_stay_valid(monkeypatch, processors):
+    # A row whose values are all below about -88 T, then a vocabulary tile that is all -inf
+    # (a grammar mask) in the same split: the statistics pass once added 0 * inf = NaN for
+    # that tile and reported the row invalid (found by an adversarial test). One tile a chunk
+    # (the fused processing's setting, and the plain pass's when patched) puts both tiles in
+    # one split of the interpreter's grid.
+    monkeypatch.setattr(triton_backend, "TILES_PER_CHUNK", 1)
+    vocab = 4096
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, vocab, generator=gen) - 5.0
+    logits[:, 2048:] = float("-inf")
+    extra = {"logit_bias": {7: 1.0}} if processors else {}
+    params = [SamplingParams(temperature=[0.01, 0.0][i % 2], seed=i, **extra) for i in range(4)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    logits = logits.to(DEVICE)
+    pos = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    outs = {}
+    for backend in ("triton", "torch"):
+        paths.reset()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", backend)
+            outs[backend] = specsample.sample(logits, batch, positions=pos, strict=False)
+        if backend == "triton":
+            assert ("triton.processing.fused" in paths.counts()) == processors
+    assert not outs["triton"].invalid.any()
+    assert torch.equal(outs["triton"].token_ids.cpu(), outs["torch"].token_ids.cpu())
