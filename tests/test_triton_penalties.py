@@ -86,7 +86,7 @@ def _torch_verify(logits, d, ks, batch, pos):
     return torch_backend.verify(plan)
 
 
-def _plain(batch: SamplingBatch, n: int) -> SamplingBatch:
+def _plain(batch: SamplingBatch) -> SamplingBatch:
     """The same requests with temperature and seed alone."""
     params = [SamplingParams(temperature=p.temperature, seed=p.seed) for p in batch.params]
     return SamplingBatch.from_params(params, vocab_size=batch.vocab_size, device=DEVICE)
@@ -105,7 +105,7 @@ def test_verify_matches_torch_backend(name, kw, dtype):
     assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
     assert not out.invalid.any() and not ref_err.any()
     if name != "boost":  # (power: without the processors the tokens differ)
-        plain, _ = _triton_verify(logits, d, ks, _plain(batch, 6), pos)
+        plain, _ = _triton_verify(logits, d, ks, _plain(batch), pos)
         assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
 
 
@@ -264,3 +264,4 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab):
         torch.cuda.synchronize()
         assert torch.equal(graph_out.token_ids, ref.token_ids), step
         batch.append(graph_out)  # (the next replay's penalties count these tokens)
+

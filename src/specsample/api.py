@@ -50,7 +50,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     """Compile every Triton kernel variant a deployment can need, then report later compiles.
 
     Covers target dtypes x draft kinds (one-hot, draft_logits, draft_probs) x draft dtypes x
-    methods, greedy and sampled requests, and the general (float32) path. Afterwards any
+    methods, greedy and sampled requests, the filters, logit_bias and penalties applied in the
+    kernels, and the general (float32) path. Afterwards any
     compilation of a specsample kernel warns (``on_compile="warn"``), raises
     ``CompilationAfterWarmupError`` (``"raise"``) or is only recorded (``"ignore"``); see
     ``specsample.triton_backend.compilations_after_warmup()``. Returns the number of calls.

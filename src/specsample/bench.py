@@ -76,7 +76,7 @@ COPY_BYTES = 2 * 2**30  # size of the bandwidth-measuring copy on a GPU
 COPY_BYTES_CPU = 256 * 2**20
 ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probability
 DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
-NOOP_BIAS = {0: 0.0}  # logit_bias that forces the general path and changes no logit
+NOOP_BIAS = {0: 0.0}  # a logit_bias that changes no logit (the unfused baseline's batch)
 #: Option cases (label -> temperature and SamplingParams fields): the filters of common open
 #: models' generation configs, and the logprobs that API servers and RL rollouts ask for.
 OPTION_CASES = {
@@ -289,8 +289,8 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
         history = torch.randint(0, case.vocab, (n, HISTORY), generator=gen, device=device)
         history = history.tolist()
     biases = [NOOP_BIAS] * n
-    if extra.get("logit_bias") == "random":
-        ids = torch.randint(0, case.vocab, (n, BIAS_TOKENS), generator=gen, device=device)
+    if extra.get("logit_bias") == "random":  # (distinct ids: the first of a random order)
+        ids = torch.rand(n, case.vocab, generator=gen, device=device).argsort(1)[:, :BIAS_TOKENS]
         vals = 4 * torch.rand(n, BIAS_TOKENS, generator=gen, device=device) - 2
         biases = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         extra = {key: v for key, v in extra.items() if key != "logit_bias"}

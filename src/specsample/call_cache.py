@@ -23,15 +23,16 @@ the device, stream, thread and the settings that change launches). Per key:
    before any work), the allocations made again, then each launch with the new input and
    output addresses. Path ``host.replay`` counts them.
 
-A key whose recording fails is refused for good and runs as usual; the refusal is counted
-once as ``host.replay_refused.<reason>`` (for example ``op.aten._to_copy.default``: an input
-converted inside the call). Never recorded (:func:`call_key` returns None): CPU tensors (the
-torch backend and Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the
-general path (PyTorch processing), calls under CUDA-graph capture (a graph replays without
-host work anyway), host lists for tensors other than ``num_draft_tokens``, and calls while
-Triton launch hooks (a profiler) are installed. Under :func:`specsample.paths.forbid`, a
-replayed call whose paths are forbidden raises before any work; the usual path raises after
-building its plan, which for ``positions=None`` has already advanced the batch's counter.
+A key whose recording fails is refused for good and runs as usual; the refusal is counted once as
+``host.replay_refused.<reason>`` (for example ``op.aten._to_copy.default``: an input converted
+inside the call). Never recorded (:func:`call_key` returns None): CPU tensors (the torch backend and
+Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the general path (PyTorch
+processing: bans, or logit_bias / penalties with filters, logprobs or a draft distribution), calls
+under CUDA-graph capture (a graph replays without host work anyway), host lists for tensors other
+than ``num_draft_tokens``, and calls while Triton launch hooks (a profiler) are installed or inside
+``triton_backend.general_path()``. Under :func:`specsample.paths.forbid`, a replayed call whose
+paths are forbidden raises before any work; the usual path raises after building its plan, which for
+``positions=None`` has already advanced the batch's counter.
 :func:`disabled` turns replay off in a block; ``SPECSAMPLE_CALL_CACHE=0`` turns it off for
 the process. Changing any attribute of the batch, or :func:`specsample.workspace.release`,
 drops its entries; a batch tensor given new memory in place is found by the replay's check

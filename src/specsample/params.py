@@ -368,9 +368,11 @@ class SamplingBatch:
 
     @property
     def needs_general_path(self) -> bool:
-        """True when a processor that the fused Triton kernels do not apply is active (bans,
-        bias, penalties): the batch then takes the counted general path. Temperature and the
-        filters (min_p, top_k, top_p) are fused."""
+        """True when a processor beyond temperature and the filters is active (bans, bias,
+        penalties). On the Triton backend bans always take the counted general path, and bias
+        and penalties do unless the kernels apply them (``triton_backend.fused_processing``:
+        no bans, filters, logprobs or draft distribution). Temperature and the filters
+        (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
     @staticmethod

@@ -5,7 +5,9 @@ bans (allowed_token_ids, bad words, min_tokens) -> logit_bias -> penalties -> te
 subtracting the row maximum) -> min_p -> top_k -> top_p, the filters decided exactly on the
 float32 values (``filter_cut``). The Triton
 backend's general path materialises this float32 tensor and then runs its kernels on it (a
-named, counted fallback); the fused path applies temperature inside the kernel.
+named, counted fallback); the fused path applies temperature, the filters, and logit_bias and
+penalties on their own (``triton_backend.penalties``: the same float32 operations) inside the
+kernels.
 """
 
 from __future__ import annotations

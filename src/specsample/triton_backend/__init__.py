@@ -369,8 +369,10 @@ def one_launch() -> bool:
 def launch_settings() -> tuple | None:
     """What decides a call's launches beyond its arguments (``specsample.call_cache`` keys
     by it): :func:`separate_launches`, Triton's debug and instrumentation settings. None while
-    Triton launch hooks are installed (a profiler: calls are then not replayed)."""
-    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    Triton launch hooks are installed (a profiler) or inside :func:`general_path`: calls are
+    then neither recorded nor replayed."""
+    if (_GENERAL.get() or _hooked(knobs.runtime.launch_enter_hook)
+            or _hooked(knobs.runtime.launch_exit_hook)):
         return None
     return _SEPARATE.get(), knobs.runtime.debug, knobs.compilation.instrumentation_mode
 
@@ -511,7 +513,8 @@ def stats_logprobs(x: torch.Tensor, plan: Plan, temp: torch.Tensor, stats: torch
 
 def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     """Run sample (op="sample") or verify (op="verify") for ``plan`` on the Triton kernels:
-    the fused path, or the general path when a request needs a processor beyond temperature.
+    the fused path (temperature, the filters, and logit_bias / penalties where
+    :func:`fused_processing` says so), or the general path (:func:`route`).
 
     Returns (VerifyOutput, the [N] int64 error bitmask). No host synchronisation on the fused
     path.

@@ -268,7 +268,7 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
             mask = offs < V
             x = tl.load(base + offs, mask=mask, other=-float("inf")).to(tl.float32)
             if PEN:
-                x, st = process(x, offs, c * CHUNK, c * CHUNK + CHUNK, req, j, j, st, pen, PEN == 2)
+                x, st = process(x, offs, c * CHUNK, c * CHUNK + CHUNK, req, j, st, pen, PEN == 2)
             if IS_PROBS:
                 cmax = tl.max(x, axis=0)
                 fin = (x > -float("inf")) & (x < float("inf"))
@@ -413,7 +413,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     offs = bt * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if PEN:
-        x, _ = process(x, offs, bt * BLOCK, bt * BLOCK + BLOCK, req, j, j,
+        x, _ = process(x, offs, bt * BLOCK, bt * BLOCK + BLOCK, req, j,
                        setup(bt * BLOCK, req, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     sb = _best_sub(tl.where(fin, (x - m) / t, -float("inf")), bt, seed_lo, seed_hi, pos,
@@ -422,7 +422,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     offs = sb * SUBTILE + tl.arange(0, SUBTILE)
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if PEN:
-        x, _ = process(x, offs, sb * SUBTILE, sb * SUBTILE + SUBTILE, req, j, j,
+        x, _ = process(x, offs, sb * SUBTILE, sb * SUBTILE + SUBTILE, req, j,
                        setup(sb * SUBTILE, req, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     key = tl.where(fin, (x - m) / t, -float("inf"))
@@ -461,7 +461,7 @@ def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN: tl.con
         x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
                     other=-float("inf")).to(tl.float32)
         if PEN:
-            x, _ = process(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j, j,
+            x, _ = process(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j,
                            setup(tile * BLOCK, req, pen), pen, PEN == 2)
         best = tl.minimum(best, tl.min(tl.where(x == m, offs, 2147483647), axis=0))
     return tl.where(best < V, best, 0)

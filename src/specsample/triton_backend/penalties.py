@@ -18,7 +18,8 @@ The float32 operations are the PyTorch backend's (``processing.apply_bias_and_pe
 ``x + bias``; repetition ``z / r`` (IEEE division, ``tl.div_rn``) or ``z * r`` at prompt or
 counted tokens; frequency ``z - f * count`` (the product rounded, then the difference: the
 kernels that process rows compile with ``enable_fp_fusion=False``, so no fused multiply-add
-rounds it once); presence ``z - p``. Both backends give the same float32 ``z`` bit for bit.
+rounds it once); presence ``z - p``. Both backends give the same float32 ``z`` bit for bit
+(but for the sign of a zero, which PyTorch's dense ``z + 0.0`` turns positive).
 
 The kernels pass the inputs as one tuple, ``pen``: (repetition [N] float32, frequency [N]
 float32, presence [N] float32, output counts [N, CV] float32, prompt mask [N, CV] uint8, CV
@@ -59,15 +60,14 @@ def setup(lo, req, pen):
 
 
 @triton.jit
-def process(x, offs, lo, hi, req, j, jn, state, pen, PENALTIES: tl.constexpr):
-    """``z`` (float32, the shape of ``x``) at token ids ``offs`` (lo <= offs < hi; ids >= V
-    are the caller's masked lanes, kept as they are) of row ``j`` of request ``req``, from the
-    raw float32 values ``x`` there, and the state for the next load (ids >= hi). ``state``:
-    :func:`setup`'s, from an id <= every offs (the loads of a program go up the row). ``j``
-    is a scalar or a vector like ``offs`` (each lane's row) and ``jn`` a scalar >= every j:
-    the drafts before the row are counted. A request's penalties are skipped where they change
-    nothing (repetition 1; frequency and presence 0), as they would subtract or divide
-    exactly nothing. Without PENALTIES (a batch with logit_bias alone) only the bias."""
+def process(x, offs, lo, hi, req, j, state, pen, PENALTIES: tl.constexpr):
+    """``z`` (float32, the shape of ``x``) at token ids ``offs`` (lo <= offs < hi; ids >= V are the
+    caller's masked lanes, kept as they are) of row ``j`` of request ``req``, from the raw float32
+    values ``x`` there, and the state for the next load (ids >= hi). ``state``: :func:`setup`'s,
+    from an id <= every offs (the loads of a program go up the row); the drafts d_0 .. d_{j-1} of
+    the request are counted. A request's penalties are skipped where they change nothing (repetition
+    1; frequency and presence 0), as they would subtract or divide exactly nothing. Without
+    PENALTIES (a batch with logit_bias alone) only the bias."""
     (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
      draft_ids_ptr, draft_start_ptr) = pen
     a, e, tok, rep, f, p, on, ds = state
@@ -79,10 +79,10 @@ def process(x, offs, lo, hi, req, j, jn, state, pen, PENALTIES: tl.constexpr):
         o = req.to(tl.int64) * CV + offs
         ok = offs < CV
         c = tl.load(counts_ptr + o, mask=ok, other=0.0)
-        for jj in range(0, jn):
+        for jj in range(0, j):
             d = tl.load(draft_ids_ptr + ds + jj)
             if (d >= lo) & (d < hi):  # (most loads hold none of the drafts)
-                c += tl.where((offs == d) & (jj < j), 1.0, 0.0)
+                c += tl.where(offs == d, 1.0, 0.0)
         counted = c > 0
         if rep != 1.0:
             seen = counted | (tl.load(prompt_ptr + o, mask=ok, other=0) != 0)
