@@ -104,11 +104,6 @@ PEN_OPTIONS = {"enable_fp_fusion": False}
 # and penalties in the kernels").
 PEN_MAXNREG = 96
 PEN_TILES_PER_CHUNK = 1
-
-
-def _pen_kind(plan: Plan, pen: bool) -> int:
-    """The kernels' PEN constexpr: 0 (no processing), 1 (logit_bias alone), 2 (penalties)."""
-    return 0 if not pen else 2 if plan.batch.needs_penalties else 1
 _SEPARATE = contextvars.ContextVar("specsample_separate_launches", default=False)
 _GENERAL = contextvars.ContextVar("specsample_general_path", default=False)
 
@@ -174,15 +169,22 @@ def route(plan: Plan) -> str:
     return "filtered" if batch.needs_filter else "fused"
 
 
+def _pen_kind(plan: Plan, pen: bool) -> int:
+    """The kernels' PEN constexpr: 0 (no processing), 1 (logit_bias alone), 2 (penalties)."""
+    return 0 if not pen else 2 if plan.batch.needs_penalties else 1
+
+
 def _pen_args(plan: Plan, on: bool) -> tuple:
     """The kernels' ``penalties`` arguments (rep, freq, presence, counts, prompt mask, CV,
-    bias_start, bias ids, bias values) of the batch, or placeholders (never read) when not
-    ``on``."""
+    bias_start, bias ids, bias values) of the batch, or placeholders of the same dtypes when
+    not ``on`` (the batch's own tensors, never read: no look-up per call)."""
     batch, dev = plan.batch, plan.logits.device
+    if not on:
+        f32, i64 = batch.temperature, batch.seed_lo
+        return (f32, f32, f32, f32, batch.logprobs_processed.view(torch.uint8), 0, i64, i64,
+                f32)
     f32 = workspace.zeros((1,), torch.float32, dev)
     i64 = workspace.zeros((1,), torch.int64, dev)
-    if not on:
-        return (f32, f32, f32, f32, workspace.zeros((1,), torch.uint8, dev), 0, i64, i64, f32)
     counts, cv = batch.output_counts, batch.output_counts.shape[1]
     prompt = batch.prompt_mask.view(torch.uint8)
     ids, vals = batch.bias_ids, batch.bias_val
