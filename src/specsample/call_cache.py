@@ -192,9 +192,8 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     launch settings (:func:`specsample.workspace.release` drops every entry instead).
     ``num_draft_tokens`` None: sample()'s all-zero counts."""
     if not (_ENV_ENABLED and _ENABLED.get()) or type(logits) is not torch.Tensor or (
-            not _on_cuda(logits)) or batch.needs_general_path and (
-            batch.needs_bans or batch.needs_filter or batch.max_logprobs >= 0
-            or draft_logits is not None or draft_probs is not None):
+            not _on_cuda(logits)) or batch.needs_general_path and not (
+            batch.processing_in_kernels and draft_logits is None and draft_probs is None):
         # (the general path, whose recordings would fail anyway: not worth two of them;
         # logit_bias / penalties alone are applied in the kernels and may replay)
         return None

@@ -367,6 +367,14 @@ class SamplingBatch:
         return sum(p.greedy for p in self.params)
 
     @property
+    def processing_in_kernels(self) -> bool:
+        """True when the batch's processors beyond temperature are logit_bias and penalties
+        alone, without bans, min_p / top_k / top_p or logprobs: the Triton kernels apply them
+        (``triton_backend.fused_processing``, in calls without a draft distribution)."""
+        return ((self.needs_bias or self.needs_penalties) and not self.needs_bans
+                and not self.needs_filter and self.max_logprobs < 0)
+
+    @property
     def needs_general_path(self) -> bool:
         """True when a processor beyond temperature and the filters is active (bans, bias,
         penalties). On the Triton backend bans always take the counted general path, and bias

@@ -142,10 +142,7 @@ def fused_processing(plan: Plan) -> bool:
     """Whether the kernels apply the batch's logit_bias and penalties themselves
     (``penalties``) instead of the general path: a batch that sets some of them, without bans,
     min_p / top_k / top_p or logprobs, in a call without draft_logits / draft_probs."""
-    batch = plan.batch
-    return ((batch.needs_bias or batch.needs_penalties) and not batch.needs_bans
-            and not batch.needs_filter and batch.max_logprobs < 0 and not plan.has_draft_dist
-            and not _GENERAL.get())
+    return plan.batch.processing_in_kernels and not plan.has_draft_dist and not _GENERAL.get()
 
 
 @contextlib.contextmanager
@@ -193,17 +190,17 @@ def _pen_args(plan: Plan, on: bool) -> tuple:
             cv, batch.bias_start, ids if ids.numel() else i64, vals if vals.numel() else f32)
 
 
-def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, *, write_top: bool,
-                  draft: tuple | None = None, pen: bool = False):
+def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple, *,
+                  write_top: bool, draft: tuple | None = None, pen: bool = False):
     """The statistics pass (``kernels.stats_kernel``) of the target rows x [R, V] and, with
     ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities)), of the draft
     rows at the request temperatures: in the same launch, except for more than
     ``MERGED_PROBS_MAX_ROWS`` rows of probabilities (then a launch of their own first).
     Returns ((part_m, part_s, part_f), tiles, (S, CPS, NT)) of the target rows and
     ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``). ``pen``: the
-    target rows are processed with the batch's logit_bias and penalties (:func:`_pen_args`)."""
+    target rows are processed with the batch's logit_bias and penalties, ``pen_args``
+    (:func:`_pen_args`)."""
     rows, vocab = x.shape
-    pen_args = _pen_args(plan, pen)
     dev = x.device
     warps = STATS_NUM_WARPS if not _interpreting(dev) else 1
     tpc = PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK
@@ -448,7 +445,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                 **(PEN_OPTIONS if pen else {}))
         return (part_m, part_s, part_f), tiles, nt, y, stats, (part_m, part_f), ranking, True
     (part_m, part_s, part_f), tiles, (s, _cps, nt), draft_parts = _launch_stats(
-        x, plan, draft_ids, temp, write_top=filtered or rank,
+        x, plan, draft_ids, temp, pen_args, write_top=filtered or rank,
         draft=None if draft is None else draft[:2], pen=pen)
     # (not read unless filtered; cut_i typed int32 all the same: one kernel variant)
     cut_v, cut_i = part_m, part_f
