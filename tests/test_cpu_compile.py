@@ -69,14 +69,19 @@ SHAPES = [(1, 4, 49152), (1, 0, 49152), (3, 2, 1000), (2, 3, 6144), (4, 1, 5000)
 
 @pytest.mark.parametrize("n,k,v", SHAPES)
 def test_temperature_only_verify_matches_eager(n, k, v):
+    matched = 0  # (batches with drafts and no greedy request draw and match in one call)
     for seed in range(6):
         logits, drafts, batch, pos = _case(n, k, v, seed)
+        matched += k > 0 and batch.num_greedy == 0
         a = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
         with cpu_compile.disabled():
             b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
         _outputs_equal(a, b)
     counts = paths.counts()
-    assert counts["cpu.compiled.processed_rows"]["calls"] >= 3  # (not all-greedy batches)
+    calls = {f: counts.get(f"cpu.compiled.{f}", {}).get("calls", 0)
+             for f in ("matched_rows", "processed_rows")}
+    assert sum(calls.values()) >= 3  # (not all-greedy batches)
+    assert calls["matched_rows"] == matched
     assert "cpu.compiled.draw" not in counts  # (one compiled function did all the draws)
 
 
@@ -166,6 +171,61 @@ def test_tokens_never_depend_on_the_other_requests():
     assert torch.equal(alone, tokens(None, logits.clone().requires_grad_(True)))
 
 
+def test_matched_tokens_are_the_sampled_ones():
+    """One-hot verify of sampled requests draws and matches in one compiled call
+    (``matched_rows``); every other batch draws with ``processed_rows``. Both must give each
+    row the same token, at constructed near-ties (as above: rows whose tile 1 moves across
+    the tie of the tile keys in steps of 2e-8), with and without a filter cut in the batch,
+    and the match must be the prefix rule."""
+    v, n, seed, position = 4096, 401, 12345, 77
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(v, generator=g)
+    row[3] = 5.0
+    lo, hi = torch.tensor([seed]), torch.tensor([0])
+    noise = rng.gumbel(lo, hi, torch.tensor([position]), torch.arange(2), rng.STREAM_SAMPLE_TILE)
+    lse = tb.tile_logsumexp(row[None] - 5.0)[0].double()
+    tie = float(lse[0] + noise[0] - lse[1] - noise[1])
+    x = row.repeat(n, 1)
+    x[:, 2048:] += tie + (torch.arange(n)[:, None] - n // 2) * 2e-8
+    # request i: its draft row is x[i] at the position, its bonus row x[i] at position + 1
+    logits = torch.stack([x, x], 1).reshape(2 * n, v)
+    pos = torch.full((n,), position)
+    drafted = sample(x, SamplingBatch.from_params([SamplingParams(temperature=1.0, seed=seed)]
+                                                  * n, vocab_size=v), positions=pos).token_ids
+    assert 0 < int((drafted >= 2048).sum()) < n  # (the sweep crosses the tie)
+    drafts = torch.where(torch.arange(n) % 3 == 0, (drafted + 1) % v, drafted)  # some wrong
+
+    def run(extra: SamplingParams | None, **options):
+        params = [SamplingParams(temperature=1.0, seed=seed, **options)] * n
+        rows, d, p = logits, drafts, pos
+        if extra:
+            params = params + [extra]
+            rows, d, p = torch.cat([logits, logits[:2]]), torch.cat([d, d[:1]]), torch.cat(
+                [pos, pos[:1]])
+        paths.reset()
+        out = verify(rows, d, [1] * len(params), SamplingBatch.from_params(
+            params, vocab_size=v), positions=p)
+        return out, paths.counts()
+
+    matched, counts = run(None)
+    assert counts["cpu.compiled.matched_rows"]["calls"] == 1
+    alone = sample(logits, SamplingBatch.from_params(
+        [SamplingParams(temperature=1.0, seed=seed)] * (2 * n), vocab_size=v),
+        positions=torch.stack([pos, pos + 1], 1).reshape(-1)).token_ids.view(n, 2)
+    ok = drafts == alone[:, 0]
+    assert torch.equal(matched.num_accepted, ok.long())
+    assert torch.equal(matched.token_ids, torch.where(ok[:, None], alone, torch.stack(
+        [alone[:, 0], torch.full((n,), -1)], 1)))
+    for extra, options in [(SamplingParams(temperature=0.0), {}),  # (a greedy request)
+                           (SamplingParams(temperature=0.5, seed=1, logprobs=0), {}),
+                           (SamplingParams(temperature=0.5, seed=1, top_k=2), {})]:
+        out, counts = run(extra, **options)
+        assert "cpu.compiled.matched_rows" not in counts or extra.top_k
+        assert torch.equal(out.token_ids[:n], matched.token_ids)
+    out, counts = run(None, top_k=4000)  # (a threshold cut that keeps nearly everything)
+    assert counts["cpu.compiled.matched_rows"]["calls"] == 1
+
+
 def test_logprobs_keep_the_eager_processing():
     """With logprobs z' itself is built (eagerly); the tokens still come from the compiled
     pass."""
@@ -250,7 +310,7 @@ def test_switches_and_gradients():
     logits, drafts, batch, pos = _case(2, 2, 3000, 4)
     with cpu_compile.disabled():
         verify(logits, drafts, [2, 2], batch, positions=pos)
-    assert "cpu.eager.processed_rows" in paths.counts()
+    assert "cpu.eager.matched_rows" in paths.counts()  # (sampled requests, one-hot drafts)
     assert not any(k.startswith("cpu.compiled") for k in paths.counts())
     paths.reset()
     # logits that need a gradient: the tokens, integer results of detached values, are
@@ -258,7 +318,7 @@ def test_switches_and_gradients():
     leaf = logits.clone().requires_grad_(True)
     a = verify(leaf, drafts, [2, 2], batch, positions=pos)
     _outputs_equal(a, verify(logits, drafts, [2, 2], batch, positions=pos))
-    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 2
+    assert paths.counts()["cpu.compiled.matched_rows"]["calls"] == 2
 
 
 def test_compile_failure_falls_back(monkeypatch):
@@ -276,11 +336,11 @@ def test_compile_failure_falls_back(monkeypatch):
     with cpu_compile.disabled():
         b = verify(logits, drafts, [2, 2], batch, positions=pos)
     _outputs_equal(a, b)
-    assert "processed_rows[float32]" in cpu_compile.failures()
-    assert paths.counts()["cpu.compile_failed.processed_rows"]["calls"] == 1
+    assert "matched_rows[float32][nocut]" in cpu_compile.failures()
+    assert paths.counts()["cpu.compile_failed.matched_rows"]["calls"] == 1
     # later calls of the same variant run eagerly without trying again
     verify(logits, drafts, [2, 2], batch, positions=pos)
-    assert paths.counts()["cpu.compile_failed.processed_rows"]["calls"] == 2
+    assert paths.counts()["cpu.compile_failed.matched_rows"]["calls"] == 2
 
 
 def test_modes_and_dtypes_mixed_in_one_process():
@@ -303,3 +363,27 @@ def test_modes_and_dtypes_mixed_in_one_process():
     counts = paths.counts()
     assert counts["cpu.compiled.processed_rows"]["calls"] == 9
     assert not any(k.startswith("cpu.compile_failed") for k in counts)
+
+
+def test_matched_rows_shape_classes_in_one_process():
+    """One-hot verify over the shapes the compiled match distinguishes (one request, one
+    draft, with and without a cut, each vocabulary class), in one process: no variant runs
+    out of torch.compile's recompilations, and every result is the eager one."""
+    for n, k, v in [(1, 1, 3000), (1, 4, 49152), (2, 1, 100), (3, 2, 6144), (4, 3, 5000),
+                    (2, 2, 1000), (5, 1, 4096)]:
+        for options in ({}, {"top_k": 5}, {"min_p": 0.1}):
+            logits, drafts, batch, pos = _case(n, k, v, 1, **options)
+            batch = SamplingBatch.from_params(
+                [SamplingParams(temperature=0.9, seed=i, **options) for i in range(n)],
+                vocab_size=v)
+            a = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+            with cpu_compile.disabled():
+                b = verify(logits, drafts, [k] * n, batch, positions=pos, strict=False)
+            _outputs_equal(a, b)
+    assert cpu_compile.failures() == {}
+    counts = paths.counts()
+    assert counts["cpu.compiled.matched_rows"]["calls"] == 16
+    # (with top_k and two or more requests, request 0's NaN row is zeroed: its cut splits
+    # that tie group, the others' cuts are thresholds: mixed cuts take processed_rows, two
+    # calls each)
+    assert counts["cpu.compiled.processed_rows"]["calls"] == 10

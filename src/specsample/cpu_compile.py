@@ -49,6 +49,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.fx.experimental._config as _fx_config
 
 from . import paths
 
@@ -110,7 +111,12 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = ()):
     if key in _failed:
         paths.record(f"cpu.compile_failed.{name}", rows)
         return fn(*args)
+    duck = _fx_config.use_duck_shape
     try:
+        # (no duck sizing: two arguments' dimensions that happen to be equal in the call that
+        # compiles, e.g. 2 requests and 2 drafts, would get one symbol, and every later call
+        # where they differ would compile again; the setting is read only when compiling)
+        _fx_config.use_duck_shape = False
         with torch.no_grad():
             out = _compiled_fn(key, fn)(*args)
     except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)
@@ -122,5 +128,7 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = ()):
                       f"{str(exc)[:300]}", RuntimeWarning, stacklevel=2)
         paths.record(f"cpu.compile_failed.{name}", rows)
         return out
+    finally:
+        _fx_config.use_duck_shape = duck
     paths.record(f"cpu.compiled.{name}", rows)
     return out

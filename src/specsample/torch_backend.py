@@ -69,7 +69,9 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     # (on CPU a host read costs nothing: the per-request scatters only run when some value
     # is bad; on other devices they always run, with no synchronisation)
     on_cpu = mx.device.type == "cpu"
-    if on_cpu and bool(torch.isfinite(mx).all()):
+    # (a finite sum of the maxima: every one is finite; a sum that overflows takes the
+    # per-request test, which finds nothing)
+    if on_cpu and math.isfinite(mx.sum(dtype=torch.float32).item()):
         err = torch.zeros(n, dtype=torch.int64)
     else:
         live = plan.row_live
@@ -79,8 +81,9 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
                                ERR_LOGITS_NO_FINITE)
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
-        bad_id = (d < 0) | (d >= plan.vocab_size)
-        if not on_cpu or bool(bad_id.any()):
+        lo_hi = torch.aminmax(d) if on_cpu else None  # (one host read on CPU)
+        if not on_cpu or lo_hi.min.item() < 0 or lo_hi.max.item() >= plan.vocab_size:
+            bad_id = (d < 0) | (d >= plan.vocab_size)
             err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
             dmx = plan.draft_logits.amax(-1)
@@ -181,19 +184,41 @@ def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int
     streams = (token_stream, tile_stream, rng.sub_stream(tile_stream))
     if x.device.type != "cpu":
         return cpu_compile.call(name, fn, x, *per_row, streams, *flags, rows=r)
-    # torch.compile guards on each tensor's kind (inference tensor or not): the small
-    # tensors are made normal ones, the logits' kind and dtype name a compiled variant
-    with torch.inference_mode(False):
-        streams = torch.tensor(streams, dtype=torch.int64)
-        if r == 1:
+    if r == 1:
+        with torch.inference_mode(False):
             x, *per_row = (torch.cat([t, t]) for t in (x, *per_row))  # (cat: a fraction of repeat)
-        per_row = [t.clone() if t.is_inference() else t for t in per_row]
+    return _call_cpu(name, fn, x, per_row, streams, flags)[:r]
+
+
+def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags: tuple,
+              tags: tuple = ()):
+    """``cpu_compile.call(name, fn, x, *args, streams, *flags)`` on CPU tensors, counted with
+    x's rows; ``args`` may hold None. torch.compile guards on each tensor's kind (inference
+    tensor or not): the small tensors are made normal ones, the logits' kind and dtype name a
+    compiled variant, as do the flags that are set and the caller's ``tags`` (names of what
+    else makes a different graph, such as None arguments)."""
+    with torch.inference_mode(False):
         # (contiguous, and without a _base: torch.compile would guard on the base's shape)
-        x, *per_row = (t.contiguous().detach() for t in (x, *per_row))
+        x, *args = (t if t is None or (t._base is None and not t.requires_grad
+                                       and t.is_contiguous() and (t is x or not t.is_inference()))
+                    else (t.clone() if t is not x and t.is_inference() else t
+                          ).contiguous().detach() for t in (x, *args))
     variant = (str(x.dtype).removeprefix("torch."), "inference" if x.is_inference() else "",
-               *(f"flag{i}" for i, f in enumerate(flags) if f))
-    return cpu_compile.call(name, fn, x, *per_row, streams, *flags, rows=r,
-                            variant=tuple(v for v in variant if v))[:r]
+               *(f"flag{i}" for i, f in enumerate(flags) if f), *tags)
+    return cpu_compile.call(name, fn, x, *args, _streams_tensor(streams), *flags,
+                            rows=x.shape[0], variant=tuple(v for v in variant if v))
+
+
+_STREAMS: dict[tuple, torch.Tensor] = {}
+
+
+def _streams_tensor(streams: tuple) -> torch.Tensor:
+    """The [3] int64 CPU tensor of ``streams``, made once per process (read only)."""
+    t = _STREAMS.get(streams)
+    if t is None:
+        with torch.inference_mode(False):
+            t = _STREAMS[streams] = torch.tensor(streams, dtype=torch.int64)
+    return t
 
 
 def _draw(z: torch.Tensor, tile_lse: torch.Tensor, rng_keys: torch.Tensor, streams
@@ -249,33 +274,75 @@ def _processed_rows(x: torch.Tensor, row_f: torch.Tensor, row_i: torch.Tensor, s
     ``processing.row_inputs``) and per row (two tensors, so that a call has few arguments to
     copy and guard): ``row_f`` [R, 3] float32 = (maximum of the row (non-finite: 0, as
     ``processing.process_rows``), temperature (T = 0: divide by 1; the caller takes those
-    rows' argmax), cut_v), ``row_i`` [R, 4] int64 = (cut_i, seed_lo, seed_hi, pos). The filter
-    cut (``processing.filter_cut``) keeps ``x[j] > cut_v``, or ``== cut_v`` with
-    ``j <= cut_i``; (-inf, V) keeps everything: ``z = (x - max) / T`` or
-    -inf, then the tiles' log-sum-exp, then the draw. Without ``ties`` every ``cut_i`` must
-    be V (a threshold: keep ``x >= cut_v``, one comparison per token). Compiled
-    (``cpu_compile``): the rows are read once and z' is never stored."""
+    rows' argmax), cut_v), ``row_i`` [R, 4] int64 = (cut_i, seed_lo, seed_hi, pos); see
+    :func:`_draw_processed`. Compiled (``cpu_compile``): the rows are read once and z' is
+    never stored."""
+    cut = (row_f[:, 2:3], row_i[:, 0:1].float())
+    return _draw_processed(x, row_f[:, 0:1], row_f[:, 1:2], cut, row_i[:, 1:], streams, ties)
+
+
+def _draw_processed(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
+                    cut: tuple | None, rng_keys: torch.Tensor, streams, ties: bool
+                    ) -> torch.Tensor:
+    """The draw of :func:`_processed_rows`: ``row_max`` and ``temperature`` [R, 1], ``cut``
+    (cut_v [R, 1] float32, cut_i [R, 1] as float32, exact below 2**24) or None (no filter),
+    ``rng_keys`` [R, 3] int64 (seed_lo, seed_hi, pos). The filter cut
+    (``processing.filter_cut``) keeps ``x[j] > cut_v``, or ``== cut_v`` with ``j <= cut_i``;
+    z = ``(x - max) / T`` there, -inf elsewhere. The tile level reads the tiles' masses as
+    the fused GPU pass sums them, ``exp2((x - max) * log2(e) / T)`` (exp2 costs a fraction
+    of exp on a CPU; the same masses to float32 rounding); the sub-tile and token levels read
+    z itself. Without ``ties`` every ``cut_i`` must be V (a threshold: keep ``x >= cut_v``,
+    one comparison per token). A row's values do not depend on whether the batch has a cut:
+    (-inf, V) keeps the same masses as no cut."""
     v = x.shape[1]
-    row_max, temperature = row_f[:, 0:1], row_f[:, 1:2]
-    m = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    m = torch.where(torch.isfinite(row_max), row_max.float(), 0.0)
     t = torch.where(temperature > 0, temperature, 1.0)
-    # (ids compared as float32, exact below 2**24: a float comparison per token costs a
-    # fraction of an int64 one in the vectorised loop)
-    cv, ci = row_f[:, 2:3], row_i[:, 0:1].float()
+    scale = (1.0 / t) * 1.4426950408889634  # exp(y / T) = exp2(y * scale)
 
-    def processed(xv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        xv = xv.float()
+    def kept(xv: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, other: float
+             ) -> torch.Tensor:
+        if cut is None:
+            return z
+        cv, ci = cut
         keep = (xv > cv) | ((xv == cv) & (ids <= ci)) if ties else xv >= cv
-        return torch.where(keep, (xv - m) / t, -math.inf)
+        return torch.where(keep, z, other)
 
+    xf = x.float()
     ids = torch.arange(v, device=x.device, dtype=torch.float32)[None, :]
-    tile_lse = tile_logsumexp(processed(x, ids))
+    tile_lse = torch.log(_tile_sums(kept(xf, ids, torch.exp2((xf - m) * scale), 0.0)))
     read = _row_reader(x)
 
-    def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids, computed alike)
-        return torch.where(tok < v, processed(read(tok), tok.float()), -math.inf)
+    def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids)
+        xv = read(tok).float()
+        z = kept(xv, tok.float(), (xv - m) / t, -math.inf)
+        return torch.where(tok < v, z, -math.inf)
 
-    return _gumbel_levels(tile_lse, values, row_i[:, 1:], streams)
+    return _gumbel_levels(tile_lse, values, rng_keys, streams)
+
+
+def _matched_rows(x: torch.Tensor, m: torch.Tensor, cut_v: torch.Tensor | None,
+                  cut_i: torch.Tensor | None, row_req: torch.Tensor, row_pos: torch.Tensor,
+                  temperature: torch.Tensor, seeds: torch.Tensor, rows: torch.Tensor,
+                  d: torch.Tensor, streams, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-hot verification in one compiled call: every row's token as
+    :func:`_draw_processed` draws it, then sample-and-match over the grid ``rows`` [N, K + 1]
+    (request i's rows) and ``d`` [N, K] (its drafts, -1 past k_eff, which never match).
+    Per row: ``x`` [R, V], ``m`` [R] maxima, the cut ``cut_v`` [R] float32 / ``cut_i`` [R]
+    int64 (both None: no filter), ``row_req`` / ``row_pos`` [R] int64; per request:
+    ``temperature`` [N] float32 (every one > 0), ``seeds`` [N, 2] int64 (seed_lo, seed_hi).
+    Returns (token_ids [N, K + 1]: the rows' tokens up to and including the first mismatch,
+    then -1; num_accepted [N]). The draws are the upstream part of the graph and only
+    integers flow from them into the match, so they round as :func:`_processed_rows` alone
+    does."""
+    cut = None if cut_v is None else (cut_v[:, None], cut_i[:, None].float())
+    keys = torch.cat([seeds[row_req], row_pos[:, None]], 1)
+    y = _draw_processed(x, m[:, None], temperature[row_req][:, None], cut, keys, streams, ties)
+    n, k = d.shape
+    y_grid = y[rows]
+    miss = torch.cat([d != y_grid[:, :k], torch.ones_like(d[:, :1], dtype=torch.bool)], 1)
+    num_accepted = miss.to(torch.int32).argmax(dim=-1)  # the first mismatch (or K)
+    j = torch.arange(k + 1, device=x.device)
+    return torch.where(j <= num_accepted[:, None], y_grid, -1), num_accepted
 
 
 def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
@@ -579,9 +646,14 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
         # (every sampled CPU token comes from sample_processed, whatever else the call needs,
         # so a request's tokens never depend on the other requests' options)
         plan, inputs, err = checked_row_inputs(plan)
+        one_hot = not (batch.max_logprobs >= 0 or plan.has_draft_dist)
+        if one_hot and plan.max_k > 0 and batch.num_greedy == 0:
+            out = _match_cpu(plan, inputs, err)  # (the draws and the match in one call)
+            if out is not None:
+                return out, err
         y = sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
                              batch.seed_hi[req], plan.row_pos)
-        if batch.max_logprobs >= 0 or plan.has_draft_dist:  # (z' itself is needed)
+        if not one_hot:  # (z' itself is needed)
             z = process_rows(plan, inputs=inputs)
             tile_lse, lse = processed_tile_logsumexp(z)
     else:
@@ -632,7 +704,8 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     rows ``x`` after bans, bias and penalties, their maxima ``m``, the filter ``cut`` or
     None): the first argmax of ``x`` where ``temperature`` [R] is 0, else the draw of
     :func:`_processed_rows` (three-level Gumbel-max of z' made on the fly; compiled on the
-    CPU). The CPU path draws every sampled row with this one function."""
+    CPU). The CPU path draws every sampled row with this function, or with
+    :func:`match_processed`, which draws alike."""
     v = x.shape[1]
     if cut is None:
         cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
@@ -659,6 +732,69 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
         idx = greedy.nonzero().squeeze(1)
         y[idx] = first_argmax(x[idx].float())
     return y
+
+
+def match_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
+                    row_req: torch.Tensor, row_pos: torch.Tensor, temperature: torch.Tensor,
+                    seed_lo: torch.Tensor, seed_hi: torch.Tensor, rows: torch.Tensor,
+                    d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One-hot verification of sampled CPU rows in one compiled call (:func:`_matched_rows`):
+    (token_ids [N, K + 1] int64, num_accepted [N] int64) from the rows' processed inputs
+    (``processing.row_inputs``: ``x``, ``m``, ``cut``), each row's request ``row_req`` and
+    position ``row_pos`` [R], the requests' ``temperature`` [N] (every one > 0) and seeds
+    [N], the grid ``rows`` [N, K + 1] of each request's rows and its drafts ``d`` [N, K]
+    (-1 past k_eff), K >= 1. The tokens are :func:`sample_processed`'s. Returns None when the
+    rows' cuts mix both kinds (tie-splitting and threshold), which need two compiled draws:
+    the caller then takes :func:`sample_processed`."""
+    n, k = d.shape
+    ties = False
+    cut_v = cut_i = None
+    if cut is not None:
+        cut_v, cut_i = cut
+        split = cut_i < x.shape[1]
+        ties = bool(split.any())
+        if ties and not bool(split.all()):
+            return None
+    seeds = torch.stack([seed_lo, seed_hi], 1)
+    temperature = temperature.float()
+    # (compiled shapes are dynamic except for sizes of 1: a single request goes twice, a
+    # single draft gets a placeholder after it, which never matches)
+    with torch.inference_mode(False):
+        if n == 1:
+            temperature, seeds, rows, d = (torch.cat([t, t]) for t in (temperature, seeds,
+                                                                       rows, d))
+        if k == 1:
+            rows, d = torch.cat([rows, rows[:, 1:]], 1), torch.cat([d, torch.full_like(d, -1)], 1)
+    streams = (rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE, rng.sub_stream(rng.STREAM_SAMPLE_TILE))
+    token_ids, num_accepted = _call_cpu(
+        "matched_rows", _matched_rows, x, (m, cut_v, cut_i, row_req, row_pos, temperature,
+                                           seeds, rows, d), streams, (ties,),
+        ("nocut",) if cut is None else ())
+    return token_ids[:n, :k + 1], num_accepted[:n]
+
+
+def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | None:
+    """:func:`verify`'s output for one-hot drafts of sampled requests on CPU rows through
+    :func:`match_processed` (``inputs``: ``processing.row_inputs`` of the cleaned plan; ``err``
+    the requests' ERR_* bits), or None when that declines the rows."""
+    k = plan.max_k
+    n = plan.num_requests
+    if plan.uniform and plan.placeholder_free:  # (rows i (K + 1) + j)
+        rows = torch.arange(plan.num_rows).view(n, k + 1)
+    else:
+        rows = (plan.row_start[:, None] + torch.arange(k + 1)).clamp_max(plan.num_rows - 1)
+    batch = plan.batch
+    out = match_processed(*inputs, plan.row_req, plan.row_pos, batch.temperature,
+                          batch.seed_lo, batch.seed_hi, rows, plan.draft_grid)
+    if out is None:
+        return None
+    token_ids, num_accepted = out
+    invalid = err != 0
+    if bool(invalid.any()):
+        token_ids = torch.where(invalid[:, None], -1, token_ids)
+        num_accepted = torch.where(invalid, 0, num_accepted)
+    return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=None,
+                        logprob_token_ids=None, invalid=invalid)
 
 
 def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor

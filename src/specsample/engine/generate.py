@@ -214,6 +214,29 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ public
 
+    def warm_up_sampler(self, params: Any = None) -> None:
+        """One untimed sample() and, with a speculative chain drafter, one verify() of K
+        one-hot drafts for ``params`` (a ``SamplingParams``, default temperature 1) on random
+        logits of the target's vocabulary, dtype and device, under inference mode as decoding
+        runs: the CPU path compiles the variants a decode needs (``specsample.cpu_compile``,
+        20-45 s each on an empty cache) here instead of inside the first timed steps."""
+        core = _import_core()
+        params = core.SamplingParams() if params is None else params
+        dtype = self.target.get_output_embeddings().weight.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.float32  # (as the decode converts such a model's logits)
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for k in ((0, self.k) if self.drafter.speculative and not self.tree else (0,)):
+                batch = core.SamplingBatch.from_params([params], vocab_size=self.vocab_size,
+                                                       device=self.device)
+                logits = torch.randn(k + 1, self.vocab_size, generator=gen).to(self.device,
+                                                                               dtype)
+                drafts = torch.randint(0, self.vocab_size, (k,), generator=gen).to(self.device)
+                core.verify(logits, drafts, [k], batch, positions=torch.zeros(
+                    1, dtype=torch.int64, device=self.device), strict=False)
+
+
     def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
                  max_new_tokens: int = 64, on_tokens: TokenCallback | None = None
                  ) -> GenerationResult:
