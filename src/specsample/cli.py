@@ -363,7 +363,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.no_warmup:  # one-time costs (first forward, allocator) out of the timings
         with console_err.status("warming up ..."):
             engine.generate([prompts[0]], params[0], max_new_tokens=2)
-            engine.warm_up_sampler(params[0])  # (the variants the first steps may not reach)
+            # (the variants the first steps may not reach)
+            engine.warm_up_sampler(params[0], num_requests=len(prompts))
             if baseline_engine is not None:
                 baseline_engine.generate([prompts[0]], params[0], max_new_tokens=2)
 

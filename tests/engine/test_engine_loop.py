@@ -274,3 +274,24 @@ def test_logits_reach_the_sampler_in_the_model_dtype(dtype):
     want = torch.float32 if dtype == torch.float64 else dtype
     assert rows.dtype == want and tree.dtype == want
     assert rows.shape == (3, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "none"])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_warm_up_sampler_runs_the_calls_a_decode_makes(target_model, draft_model, drafter,
+                                                       top_p):
+    """The warm-up's calls take the routes of the decode's own: one-hot verify() for the
+    n-gram drafter, draft_logits (draft_probs with a filter) for a draft model, a step
+    without drafts alone without a drafter, for one request and with num_requests=2 for
+    two."""
+    engine = SpeculativeEngine(target_model, drafter, num_speculative_tokens=3,
+                               draft_model=draft_model if drafter == "model" else None)
+    params = specsample.SamplingParams(temperature=0.8, top_p=top_p, seed=1)
+    specsample.paths.reset()
+    engine.warm_up_sampler(params, num_requests=2)
+    counts = specsample.paths.counts()
+    calls = {k: v["calls"] for k, v in counts.items() if k.startswith("torch.")}
+    want = {"none": {"torch.verify.onehot": 2}, "ngram": {"torch.verify.onehot": 4},
+            "model": {"torch.verify.onehot": 2,
+                      "torch.verify." + ("draft_probs" if top_p < 1 else "draft_logits"): 2}}
+    assert calls == want[drafter]

@@ -214,28 +214,40 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ public
 
-    def warm_up_sampler(self, params: Any = None) -> None:
-        """One untimed sample() and, with a speculative chain drafter, one verify() of K
-        one-hot drafts for ``params`` (a ``SamplingParams``, default temperature 1) on random
-        logits of the target's vocabulary, dtype and device, under inference mode as decoding
-        runs: the CPU path compiles the variants a decode needs (``specsample.cpu_compile``,
-        20-45 s each on an empty cache) here instead of inside the first timed steps."""
+    def warm_up_sampler(self, params: Any = None, num_requests: int = 1) -> None:
+        """Untimed sample() and, with a speculative chain drafter, verify() calls of K drafts
+        for ``params`` (a ``SamplingParams``, default temperature 1) on random logits of the
+        target's vocabulary, dtype and device, under inference mode as decoding runs, for one
+        request and, with ``num_requests`` > 1, two: the drafts are one-hot, or with a drafter
+        that gives its distributions, carry ``draft_logits`` (``draft_probs`` when ``params``
+        filters, as such a drafter then drafts from the filtered distribution). The CPU path
+        compiles the variants a decode needs (``specsample.cpu_compile``, 20-45 s each on an
+        empty cache) here instead of inside the first timed steps."""
         core = _import_core()
         params = core.SamplingParams() if params is None else params
         dtype = self.target.get_output_embeddings().weight.dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             dtype = torch.float32  # (as the decode converts such a model's logits)
         gen = torch.Generator().manual_seed(0)
+        v = self.vocab_size
+        v_draft = getattr(self.drafter, "vocab_size", None) or v
+        filtered = params.top_k not in (0, -1) or params.top_p < 1 or params.min_p > 0
+        chain = self.drafter.speculative and not self.tree
         with torch.inference_mode():
-            for k in ((0, self.k) if self.drafter.speculative and not self.tree else (0,)):
-                batch = core.SamplingBatch.from_params([params], vocab_size=self.vocab_size,
-                                                       device=self.device)
-                logits = torch.randn(k + 1, self.vocab_size, generator=gen).to(self.device,
-                                                                               dtype)
-                drafts = torch.randint(0, self.vocab_size, (k,), generator=gen).to(self.device)
-                core.verify(logits, drafts, [k], batch, positions=torch.zeros(
-                    1, dtype=torch.int64, device=self.device), strict=False)
-
+            for n in sorted({1, min(num_requests, 2)}):
+                for k in ((0, self.k) if chain else (0,)):
+                    batch = core.SamplingBatch.from_params([params] * n, vocab_size=v,
+                                                           device=self.device)
+                    logits = torch.randn(n * (k + 1), v, generator=gen).to(self.device, dtype)
+                    drafts = torch.randint(0, v_draft, (n * k,), generator=gen).to(self.device)
+                    dist = {}
+                    if k and self.drafter.gives_logits:
+                        q = torch.randn(n * k, v_draft, generator=gen).to(self.device)
+                        dist = ({"draft_probs": torch.softmax(q, -1)} if filtered
+                                else {"draft_logits": q.to(dtype)})
+                    core.verify(logits, drafts, [k] * n, batch, positions=torch.zeros(
+                        n, dtype=torch.int64, device=self.device), strict=False,
+                        method=self.method, **dist)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Any = None, *,
                  max_new_tokens: int = 64, on_tokens: TokenCallback | None = None
