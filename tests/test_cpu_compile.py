@@ -132,8 +132,10 @@ def test_tie_split_by_a_filter():
             b = verify(logits, drafts, [2, 2], batch, positions=p, strict=False)
         _outputs_equal(a, b)
         assert 21 not in a.token_ids[:, :1].tolist()  # (request 0's row 0: id 21 dropped)
-    # (two calls a verify: the tie rows with the id rule, the others with the threshold)
-    assert paths.counts()["cpu.compiled.processed_rows"]["calls"] == 16
+    # (request 0's rows are drawn from their candidates, greedy request 1's by the pass)
+    counts = paths.counts()
+    assert counts["cpu.compiled.candidate_rows"]["calls"] == 8
+    assert "cpu.candidates_missed" not in counts
 
 
 def test_tokens_never_depend_on_the_other_requests():
@@ -222,8 +224,9 @@ def test_matched_tokens_are_the_sampled_ones():
         out, counts = run(extra, **options)
         assert "cpu.compiled.matched_rows" not in counts or extra.top_k
         assert torch.equal(out.token_ids[:n], matched.token_ids)
-    out, counts = run(None, top_k=4000)  # (a threshold cut that keeps nearly everything)
-    assert counts["cpu.compiled.matched_rows"]["calls"] == 1
+    out, counts = run(None, top_k=4000)  # (a cut that keeps nearly everything: the rows'
+    assert counts["cpu.compiled.matched_candidates"]["calls"] == 1  # candidates miss it)
+    assert counts["cpu.candidates_missed"]["rows"] == 2 * n
 
 
 def test_logprobs_keep_the_eager_processing():
@@ -382,8 +385,33 @@ def test_matched_rows_shape_classes_in_one_process():
             _outputs_equal(a, b)
     assert cpu_compile.failures() == {}
     counts = paths.counts()
-    assert counts["cpu.compiled.matched_rows"]["calls"] == 16
-    # (with top_k and two or more requests, request 0's NaN row is zeroed: its cut splits
-    # that tie group, the others' cuts are thresholds: mixed cuts take processed_rows, two
-    # calls each)
-    assert counts["cpu.compiled.processed_rows"]["calls"] == 10
+    assert counts["cpu.compiled.matched_rows"]["calls"] == 14
+    # (top_k: every row drawn from its candidates; request 0's NaN row, zeroed, is not read)
+    assert counts["cpu.compiled.matched_candidates"]["calls"] == 7
+    assert "cpu.compiled.processed_rows" not in counts
+
+
+def test_one_row_and_one_draft_compile_nothing_new():
+    """A single row (one request without drafts under a fixed max_num_draft_tokens) is padded
+    like a single request: no graph of its own (torch.compile would specialise the size 1);
+    and with one draft the padded grid's tokens come back contiguous."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    v = 3000
+    g = torch.Generator().manual_seed(3)
+
+    def call(n, ks, **kw):
+        batch = SamplingBatch.from_params([SamplingParams(temperature=0.9, seed=i)
+                                           for i in range(n)], vocab_size=v)
+        logits = torch.randn(n + sum(ks), v, generator=g)
+        drafts = torch.randint(0, v, (sum(ks),), generator=g)
+        return verify(logits, drafts, ks, batch, positions=torch.arange(n), **kw)
+
+    call(2, [2, 2])
+    fn = cpu_compile._compiled["matched_rows[float32][nocut]"]
+    entries = len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__))
+    out = call(1, [0], max_num_draft_tokens=2)
+    assert out.token_ids.shape == (1, 3) and int(out.token_ids[0, 1]) == -1
+    assert len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)) == entries
+    out = call(3, [1, 1, 1])
+    assert out.token_ids.is_contiguous() and out.token_ids.shape == (3, 2)

@@ -366,6 +366,18 @@ class SamplingBatch:
         """How many requests have temperature 0 (``params`` is a tuple: computed once)."""
         return sum(p.greedy for p in self.params)
 
+    @functools.cached_property
+    def rank_filters(self) -> tuple[int, bool, bool]:
+        """(how many requests are sampled with top_k below V or top_p below 1, whose filter
+        cut ranks the row; whether one of them has top_p without top_k; whether a sampled
+        request has min_p), computed once."""
+        v = self.vocab_size
+        sampled = [p for p in self.params if not p.greedy]
+        ranked = [(0 < (p.top_k if p.top_k > 0 else 0) < v, p.top_p < 1) for p in sampled]
+        ranked = [(k, q) for k, q in ranked if k or q]
+        return (len(ranked), any(q and not k for k, q in ranked),
+                any(p.min_p > 0 for p in sampled))
+
     @property
     def processing_in_kernels(self) -> bool:
         """True when the batch's processors beyond temperature are logit_bias and penalties

@@ -165,7 +165,7 @@ def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat([tok[:, None].expand_as(ok)[ok], d_toks]))
 
 
-def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
+def round_up_f32(t: torch.Tensor) -> torch.Tensor:
     """The smallest float32 >= each float64 value of ``t`` (so ``y < result`` for a float32
     ``y`` is exactly ``y < t`` in real arithmetic)."""
     t32 = t.float()
@@ -189,7 +189,7 @@ def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int, *,
     min_p = batch.min_p[req]
     on = sampled & (min_p > 0)
     if bool(on.any()):
-        cut = _round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
+        cut = round_up_f32(m.double() + t64 * torch.log(torch.where(on, min_p, 1.0)))
         cut = torch.where(on, cut, -math.inf)
         drop = cut if as_cut else y < cut[:, None]
     k = batch.top_k[req]
@@ -197,6 +197,73 @@ def filter_settings(y: torch.Tensor, m: torch.Tensor, plan: Plan, vocab: int, *,
     top_p = batch.top_p[req]
     p_on = sampled & (top_p < 1)
     return drop, t64, k, k_on, top_p, p_on
+
+
+class RowFilters:
+    """The filter settings of a call's rows (min_p -> top_k -> top_p, sampled rows only) and
+    each row's exact cut (:meth:`cut`, what :func:`filter_cut` returns), both computed when
+    first asked for: the torch backend's CPU draw finds the cut of top_k / top_p rows inside
+    its compiled call (``torch_backend._candidate_draw``) and needs them only where it
+    finds none.
+
+    ``y`` [T, W]: the rows before temperature; ``m`` [T] float32: their finite maxima;
+    ``live`` [T] bool: the rows that are read (no cut is searched for on the others: they
+    keep min_p's); ``plan``: the call's plan (the settings come from its batch), or
+    ``settings``: :func:`filter_settings`' (min_cut, t64, top_k, k_on, top_p, p_on) with
+    ``as_cut``; ``wide``: the rows' top_p nuclei are known to be wide (the cut goes straight
+    to the histogram of the row, :func:`_nucleus`)."""
+
+    def __init__(self, y: torch.Tensor, m: torch.Tensor, live: torch.Tensor,
+                 plan: Plan | None = None, settings: tuple | None = None,
+                 wide: bool = False) -> None:
+        self.y, self.m, self.live = y, m, live
+        self._plan, self._settings, self.wide = plan, settings, wide
+        self._cut: tuple | None = None
+
+    @property
+    def settings(self) -> tuple:
+        """(min_cut [T] float32 or None when no row has min_p, t64 [T] float64, top_k [T]
+        int64, k_on [T] bool, top_p [T] float64, p_on [T] bool): :func:`filter_settings`."""
+        if self._settings is None:
+            self._settings = filter_settings(self.y, self.m, self._plan, self.y.shape[1],
+                                             as_cut=True)
+        return self._settings
+
+    @property
+    def ranked(self) -> torch.Tensor:
+        """[T] bool: rows with top_k or top_p (their cut needs a ranking of the row)."""
+        _, _, _, k_on, _, p_on = self.settings
+        return k_on | p_on
+
+    @property
+    def has_cut(self) -> bool:
+        """Whether :meth:`cut` has been computed."""
+        return self._cut is not None
+
+    def threshold(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cut_v, cut_i) of min_p alone: (min_cut or -inf, V) for every row (new tensors)."""
+        t_rows, v = self.y.shape
+        min_cut = self.settings[0]
+        cut_v = min_cut.clone() if min_cut is not None else torch.full(
+            (t_rows,), -math.inf, device=self.y.device)
+        return cut_v, torch.full((t_rows,), v, dtype=torch.int64, device=self.y.device)
+
+    def cut(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cut_v [T] float32, cut_i [T] int64): every row's cut (:func:`filter_cut`)."""
+        if self._cut is None:
+            self._cut = _cut_rows(self)
+        return self._cut
+
+    def select(self, rows: torch.Tensor, *, wide: bool = False) -> RowFilters:
+        """The filters of ``rows`` (an index tensor) alone (``wide``: see the class)."""
+        return RowFilters(self.y[rows], self.m[rows], self.live[rows], settings=tuple(
+            None if t is None else t[rows] for t in self.settings), wide=wide)
+
+
+def row_filters(y: torch.Tensor, m: torch.Tensor, plan: Plan) -> RowFilters | None:
+    """The :class:`RowFilters` of ``plan``'s rows ``y`` [T, V] (before temperature; ``m``
+    [T] float32 finite maxima), or None when no request is filtered."""
+    return RowFilters(y, m, plan.row_live, plan) if plan.batch.needs_filter else None
 
 
 @torch.no_grad()
@@ -226,14 +293,17 @@ def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
     shortest prefix: one cut per row, and no [T, V] boolean mask unless a boundary splits a
     tie group (boolean tensor passes are several times slower than a threshold on CPU).
     """
-    t_rows, v = y.shape
-    min_p_cut, t64, k, k_on, top_p, p_on = filter_settings(y, m, plan, v, as_cut=True)
-    rows = (k_on | p_on) & plan.row_live  # (rows nobody reads: no candidate search)
-    if min_p_cut is None and not bool(rows.any()):
-        return None
-    cut_v = min_p_cut if min_p_cut is not None else torch.full((t_rows,), -math.inf,
-                                                               device=y.device)
-    cut_i = torch.full((t_rows,), v, dtype=torch.int64, device=y.device)
+    f = row_filters(y, m, plan)
+    return None if f is None else f.cut()
+
+
+@torch.no_grad()
+def _cut_rows(f: RowFilters) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`RowFilters.cut`."""
+    y, m = f.y, f.m
+    min_p_cut, t64, k, k_on, top_p, p_on = f.settings
+    rows = (k_on | p_on) & f.live  # (rows nobody reads: no candidate search)
+    cut_v, cut_i = f.threshold()
     if not bool(rows.any()):
         return cut_v, cut_i
     every = bool(rows.all())
@@ -245,10 +315,11 @@ def filter_cut(y: torch.Tensor, m: torch.Tensor, plan: Plan
     k_sub, p_sub = (k_on, p_on) if every else (k_on[idx], p_on[idx])
     if bool(k_sub.any()):
         cv, ci = _top_k_cut(sub, k if every else k[idx], k_sub, cv, ci)
-        sub = apply_cut(yy, cv, ci, out=scratch)
+        if bool(p_sub.any()):
+            sub = apply_cut(yy, cv, ci, out=scratch)
     if bool(p_sub.any()):
         m_p, t_p, top_p = (m, t64, top_p) if every else (m[idx], t64[idx], top_p[idx])
-        nv, ni = _tighter(*_nucleus(sub, m_p, t_p, top_p), cv, ci)
+        nv, ni = _tighter(*_nucleus(sub, m_p, t_p, top_p, f.wide), cv, ci)
         cv, ci = torch.where(p_sub, nv, cv), torch.where(p_sub, ni, ci)
     if every:
         return cv, ci
@@ -326,8 +397,8 @@ def _tighter(a_v: torch.Tensor, a_i: torch.Tensor, b_v: torch.Tensor, b_i: torch
 NUCLEUS_TOTAL_TOL = 1e-5
 
 
-def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: torch.Tensor,
+             wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_p cut (:func:`filter_cut`: (cut_v [R] float32, cut_i [R] int64)) of the
     survivors of rows ``masked`` (float32, -inf = dropped already).
 
@@ -346,8 +417,11 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     the decision is the exact one, else the total is recomputed in float64 from every
     survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
     tokens, where each round's top-k and sorts cost more than one pass over the row) the
-    cut comes from :func:`_nucleus_by_histogram` on CPU tensors.
+    cut comes from :func:`_nucleus_by_histogram` on CPU tensors, and at once with ``wide``
+    (rows whose nucleus is known to hold more than tens of tokens).
     """
+    if wide and masked.device.type == "cpu":
+        return _nucleus_by_histogram(masked, m, t64, top_p)
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
@@ -431,11 +505,16 @@ def _nucleus_by_histogram(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tens
     order = order[torch.sort(row[order], stable=True).indices]
     row, col, vals = row[order], col[order], vals[order]
     tok_e = e[row, col]
-    run = tok_e.cumsum(0)
     n_in = torch.bincount(row, minlength=r)
     start = n_in.cumsum(0) - n_in
-    base = torch.where(start > 0, run[(start - 1).clamp_min(0)], 0.0)
-    tok_before = before.gather(1, edge[:, None])[:, 0][row] + (run - tok_e - base[row])
+    # each row's running mass from its own first token (a cumsum over the rows one after
+    # another would round a row's sums by the rows before it)
+    slot = torch.arange(row.numel(), device=dev) - start[row]
+    run = torch.zeros(r, int(n_in.max()) if row.numel() else 0, dtype=torch.float64,
+                      device=dev)
+    run[row, slot] = tok_e
+    run = run.cumsum(-1)[row, slot]
+    tok_before = before.gather(1, edge[:, None])[:, 0][row] + (run - tok_e)
     n_keep = torch.bincount(row[tok_before < goal[row]], minlength=r).clamp_min(1)
     last = start + n_keep - 1
     return vals[last], col[last]
@@ -479,12 +558,13 @@ def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor, RowFilters | None]:
     """What the processed logits of ``plan``'s rows are made of: (``y`` [T, V], the rows after
     bans (-inf), logit bias and penalties; ``m`` [T] float32, their maxima, NaN / +-inf
-    included; the filter cut of :func:`filter_cut`, or None). ``row_max``: [T] max of the
-    raw rows if the caller has it; without bans, logit bias or penalties ``y`` is then the raw
-    logits themselves (any float dtype: no float32 copy) and ``m`` is ``row_max``."""
+    included; the rows' :class:`RowFilters` (the cut of :func:`filter_cut`, computed when
+    asked for), or None). ``row_max``: [T] max of the raw rows if the caller has it; without
+    bans, logit bias or penalties ``y`` is then the raw logits themselves (any float dtype:
+    no float32 copy) and ``m`` is ``row_max``."""
     batch: SamplingBatch = plan.batch
     if row_max is not None and not (batch.needs_bias or batch.needs_penalties
                                     or batch.needs_bans):
@@ -495,10 +575,10 @@ def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None
         apply_bans(y, plan)
         apply_bias_and_penalties(y, plan)
         m = y.amax(dim=-1)
-    cut = None
+    filt = None
     if filters and batch.needs_filter:
-        cut = filter_cut(y, torch.where(torch.isfinite(m), m, torch.zeros_like(m)), plan)
-    return y, m, cut
+        filt = row_filters(y, torch.where(torch.isfinite(m), m, torch.zeros_like(m)), plan)
+    return y, m, filt
 
 
 def process_rows(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None,
@@ -513,7 +593,8 @@ def process_rows(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | No
     the reusable ``workspace`` buffer "z": valid until the thread's next call.
     """
     batch: SamplingBatch = plan.batch
-    y, m, cut = inputs or row_inputs(plan, filters=filters, row_max=row_max)
+    y, m, filt = inputs or row_inputs(plan, filters=filters, row_max=row_max)
+    cut = None if filt is None else filt.cut()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows stay -inf
     t = batch.temperature[plan.row_req]
     t = torch.where(t > 0, t, torch.ones_like(t))

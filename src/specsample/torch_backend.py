@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import cpu_compile, rng, workspace
+from . import cpu_compile, paths, processing, rng, workspace
 from .outputs import VerifyOutput
 from .plan import Plan
 from .processing import block_total, process_rows, row_inputs, rows_emptied_by_bans
@@ -320,6 +320,205 @@ def _draw_processed(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.T
     return _gumbel_levels(tile_lse, values, rng_keys, streams)
 
 
+#: Candidates per row of :func:`_candidate_draw`: the top_k / top_p rows whose survivors
+#: are among this many of the row's largest values are drawn from them alone.
+CANDIDATES = 64
+#: Values per block of :func:`_candidates`.
+CANDIDATE_BLOCK = 16
+
+
+def _candidates(x: torch.Tensor, cut: torch.Tensor, c: int, mass_of: tuple | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(values, ids) [R, c] of the c largest entries of each row of ``x`` [R, V] (as float32)
+    that are at least ``cut`` [R, 1] float32, in rank order (value, then lower id; every
+    entry above the c-th largest value is there, the tie group at the smallest value may be
+    cut; -inf for entries below the cut), and with ``mass_of`` = (m [R, 1], s [R,
+    1]) float32 the row's float64 sum of ``exp2((x - m) * s)`` over the entries at least
+    ``cut`` [R, 1] (16 terms at a time in float32, as ``processing.block_total``), else None.
+
+    One pass over the row takes the maximum (and the mass) of each block of
+    ``CANDIDATE_BLOCK`` values: with nb = V // 16, block b holds the ids b + nb j (j < 16),
+    so the pass is 16 whole slices of the row compared element by element (a maximum over
+    16 neighbours is several times slower on a CPU), and the V mod 16 last ids form one more
+    block. Fewer than c blocks hold an entry above the c-th largest value, so the c blocks
+    with the largest maxima hold all of them, and the c groups of 8 consecutive blocks with
+    the largest maxima hold those blocks: three top-k's of at most 8c values, none over the
+    row (``torch.topk`` costs about 12 us per 8,192 values on a CPU, whatever c is)."""
+    r, v = x.shape
+    blk = CANDIDATE_BLOCK
+    nb = v // blk
+    parts = [x[:, :nb * blk].view(r, blk, nb)] if nb else []  # [R, 16, nb]: block b = column b
+    if v % blk:
+        parts.append(x[:, nb * blk:][:, :, None])
+    # (the cut applies to the maxima: a block's largest entry at least the cut is its maximum
+    # if that is, else none is)
+    bmax = torch.cat([p.amax(1) for p in parts], dim=1).float()  # [R, blocks]
+    bmax = torch.where(bmax >= cut, bmax, -math.inf)
+    mass = None
+    if mass_of is not None:
+        m, s = mass_of
+        mass = torch.cat([torch.where(p >= cut[:, :, None], torch.exp2(
+            (p.float() - m[:, :, None]) * s[:, :, None]), 0.0).sum(1) for p in parts],
+            dim=1).double().sum(-1, keepdim=True)
+    n_blocks = bmax.shape[1]
+    if n_blocks <= c:  # (a short row: its plain top-k)
+        cols = torch.arange(v, device=x.device).expand(r, v)
+        return (*_rank_top(x.float(), cols, cut, c), mass)
+    per = 8
+    if n_blocks > per * c:  # groups of `per` blocks first
+        pad = -n_blocks % per
+        padded = torch.nn.functional.pad(bmax, (0, pad), value=-math.inf) if pad else bmax
+        groups = torch.topk(padded.view(r, -1, per).amax(-1), c, dim=-1).indices
+        blocks = (groups[:, :, None] * per + torch.arange(per, device=x.device)).view(r, -1)
+        bvals = padded.gather(1, blocks)
+    else:
+        blocks, bvals = None, bmax
+    best = torch.topk(bvals, c, dim=-1).indices  # [R, c] blocks
+    if blocks is not None:
+        best = blocks.gather(1, best)
+    j = torch.arange(blk, device=x.device)
+    cols = torch.where(best[:, :, None] < nb, best[:, :, None] + nb * j,
+                       nb * blk + j).view(r, -1)  # (the last block: the V mod 16 last ids)
+    vals = torch.where(cols < v, x.gather(1, cols.clamp_max(v - 1)).float(), -math.inf)
+    return (*_rank_top(vals, cols.clamp_max(v - 1), cut, c), mass)
+
+
+def _rank_top(vals: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor, c: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [R, c] of the c entries of ``vals`` [R, W] float32 (ids ``ids`` [R, W],
+    below 2**31) that rank highest, value first, then the lower id, in that order; entries
+    below ``cut`` [R, 1] count as -inf. One top-k of int64 keys that order both at once
+    (the value's order-preserving bits above the id's complement)."""
+    vals = torch.where(vals >= cut, vals + 0.0, -math.inf)  # (+ 0.0: -0.0 ranks as 0.0)
+    bits = vals.view(torch.int32)
+    key = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64) << 32) + (
+        0x7FFFFFFF - ids)
+    at = torch.topk(key, c, dim=-1).indices
+    return vals.gather(1, at), ids.gather(1, at)
+
+
+def _candidate_draw(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
+                    row_pos: torch.Tensor, live: torch.Tensor, top_p: torch.Tensor,
+                    req_i: torch.Tensor, streams, need_total: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw of sampled rows with top_k or top_p (and maybe min_p) from their candidates,
+    the cut found on the way (:func:`_candidate_cut`): ([R] int64 tokens, [R] bool found).
+    Per row: ``x`` [R, V] (the rows after bans, bias and penalties), ``row_f`` [R, 3] float32
+    = (finite maximum, temperature > 0, min_p's cut or -inf: :func:`_row_args`), ``row_req``
+    / ``row_pos`` [R] int64, ``live`` [R] bool (rows that are not live count as found:
+    nobody reads them); per request: ``top_p`` [N] float64 and ``req_i`` [N, 3] int64 =
+    (top_k, seed_lo, seed_hi). ``need_total`` as in :func:`_candidate_cut`.
+
+    A found row's token is drawn by the three levels of :func:`tiled_gumbel_argmax`, the tile
+    level's masses summed from the survivors alone (float64 ``exp((y - m) / T)``: no second
+    pass over the row), the lower two from the chosen tile's values with the cut applied.
+    The caller draws the rows that were not found from the cut of ``processing.filter_cut``."""
+    v = x.shape[1]
+    m, t = row_f[:, 0:1], row_f[:, 1:2]
+    i = req_i[row_req]
+    k = i[:, 0:1]
+    cand_v, cand_i, n_keep, found = _candidate_cut(
+        x, m, t, row_f[:, 2:3], torch.where((k > 0) & (k < v), k, v), top_p[row_req][:, None],
+        need_total)
+    cut_v, cut_i = cand_v.gather(1, n_keep - 1), cand_i.gather(1, n_keep - 1)
+    # The tile level from the survivors' float64 masses (the candidates ranked < n_keep).
+    rank = torch.arange(cand_v.shape[1], device=x.device)[None, :]
+    mass = torch.where(rank < n_keep, torch.exp((cand_v.double() - m.double()) / t.double()),
+                       0.0)
+    tiles = torch.arange((v + rng.TILE - 1) // rng.TILE, device=x.device)
+    in_tile = (cand_i // rng.TILE)[:, :, None] == tiles[None, None, :]
+    tile_lse = torch.log(torch.where(in_tile, mass[:, :, None], 0.0).sum(1))
+    read = _row_reader(x)
+
+    def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids)
+        xv = read(tok).float()
+        keep = ((xv > cut_v) | ((xv == cut_v) & (tok <= cut_i))) & (tok < v)
+        return torch.where(keep, (xv - m) / t, -math.inf)
+
+    keys = torch.cat([i[:, 1:3], row_pos[:, None]], 1)
+    return _gumbel_levels(tile_lse, values, keys, streams), found[:, 0] | ~live
+
+
+def _candidate_cut(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, min_cut: torch.Tensor,
+                   top_k: torch.Tensor, top_p: torch.Tensor, need_total: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filter cut of ``processing.filter_cut`` (min_p -> top_k -> top_p) of rows ``x``
+    [R, V] from their ``CANDIDATES`` largest values: (values [R, C] float32 and ids [R, C]
+    int64 of the candidates in rank order (value, then lower id), [R, 1] int64 how many of
+    them the row keeps (its survivors), [R, 1] bool found). Per row [R, 1]: ``m`` float32
+    finite maximum, ``t`` float32 temperature > 0, ``min_cut`` float32 (keep ``x >=`` it;
+    -inf: off), ``top_k`` int64 (V or more: off), ``top_p`` float64 (1: off).
+    ``need_total``: some row has top_p without top_k, so its total mass is estimated from
+    the whole row (float32 blocks of 16 in the candidates' pass, bound
+    ``processing.NUCLEUS_TOTAL_TOL``).
+
+    The candidates (:func:`_candidates`: one pass for block maxima, three small top-k's)
+    are exact in rank order down to the tie group of the smallest one. top_k's cut
+    is the k-th of them; top_p keeps a token while the float64 mass ``exp((y - m) / T)``
+    ranked before it is below top_p times the survivors' total: the candidates' own masses
+    after a top_k cut (or when every survivor of min_p is a candidate), else the estimate,
+    with a kept count that the estimate's bound leaves undecided not found (the exact
+    float64 total decides in ``processing.filter_cut``). A row is found when its survivors
+    lie inside the exact part."""
+    r, v = x.shape
+    c = min(CANDIDATES, v)
+    cand_v, cand_i, row_mass = _candidates(
+        x, min_cut, c, (m, (math.log2(math.e) / t.double()).float()) if need_total else None)
+    rank = torch.arange(c, device=x.device)[None, :]
+    v_min = cand_v[:, -1:]
+    # every survivor of min_p is a candidate, or only those above the smallest one's value
+    all_in = (v_min == -math.inf) | (c == v)
+    n_exact = torch.where(all_in, (cand_v > -math.inf).sum(-1, keepdim=True),
+                          (cand_v > v_min).sum(-1, keepdim=True))
+    k_on = top_k < v
+    closed_k = k_on & (top_k <= n_exact)
+    closed = all_in | closed_k  # the survivors after top_k are known
+    n_k = torch.where(closed_k, top_k, n_exact)
+    surv_k = rank < n_k
+    ce = torch.where(surv_k, torch.exp((cand_v.double() - m.double()) / t.double()), 0.0)
+    before = torch.cumsum(ce, dim=-1) - ce
+    total = ce.sum(-1, keepdim=True)
+    open_p = torch.zeros_like(closed)  # (top_p without top_k over more than the candidates)
+    if need_total:
+        total = torch.where(closed, total, row_mass)
+        open_p = ~closed & ~k_on
+    tol = torch.where(closed, 0.0, processing.NUCLEUS_TOTAL_TOL)
+    goal = top_p * total
+    n_lo = ((before < goal * (1 - tol)) & surv_k).sum(-1, keepdim=True).clamp_min(1)
+    n_hi = ((before < goal * (1 + tol)) & surv_k).sum(-1, keepdim=True).clamp_min(1)
+    p_on = top_p < 1
+    found = closed | (p_on & open_p & (n_lo == n_hi) & (n_lo < n_exact))
+    return cand_v, cand_i, torch.where(p_on, n_lo, n_k).clamp(1, c), found
+
+
+def _matched_candidates(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
+                        row_pos: torch.Tensor, live: torch.Tensor, top_p: torch.Tensor,
+                        req_i: torch.Tensor, rows: torch.Tensor, d: torch.Tensor, streams,
+                        need_total: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-hot verification of top_k / top_p rows in one compiled call: every row's token
+    as :func:`_candidate_draw` draws it (same arguments), then sample-and-match over the grid
+    ``rows`` [N, K + 1] and drafts ``d`` [N, K] (:func:`_match_grid`). Returns (token_ids
+    [N, K + 1], num_accepted [N], the rows' tokens [R], found [R]); the first two hold only
+    where every row was found."""
+    y, found = _candidate_draw(x, row_f, row_req, row_pos, live, top_p, req_i, streams,
+                               need_total)
+    return (*_match_grid(y, rows, d), y, found)
+
+
+def _match_grid(y: torch.Tensor, rows: torch.Tensor, d: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample-and-match: (token_ids [N, K + 1]: the rows' tokens ``y`` [R] over the grid
+    ``rows`` [N, K + 1] up to and including the first one that differs from its draft in
+    ``d`` [N, K] (-1 past k_eff, which never matches), then -1; num_accepted [N])."""
+    n, k = d.shape
+    y_grid = y[rows]
+    miss = torch.cat([d != y_grid[:, :k], torch.ones_like(d[:, :1], dtype=torch.bool)], 1)
+    num_accepted = miss.to(torch.int32).argmax(dim=-1)  # the first mismatch (or K)
+    j = torch.arange(k + 1, device=y.device)
+    return torch.where(j <= num_accepted[:, None], y_grid, -1), num_accepted
+
+
 def _matched_rows(x: torch.Tensor, m: torch.Tensor, cut_v: torch.Tensor | None,
                   cut_i: torch.Tensor | None, row_req: torch.Tensor, row_pos: torch.Tensor,
                   temperature: torch.Tensor, seeds: torch.Tensor, rows: torch.Tensor,
@@ -337,12 +536,7 @@ def _matched_rows(x: torch.Tensor, m: torch.Tensor, cut_v: torch.Tensor | None,
     cut = None if cut_v is None else (cut_v[:, None], cut_i[:, None].float())
     keys = torch.cat([seeds[row_req], row_pos[:, None]], 1)
     y = _draw_processed(x, m[:, None], temperature[row_req][:, None], cut, keys, streams, ties)
-    n, k = d.shape
-    y_grid = y[rows]
-    miss = torch.cat([d != y_grid[:, :k], torch.ones_like(d[:, :1], dtype=torch.bool)], 1)
-    num_accepted = miss.to(torch.int32).argmax(dim=-1)  # the first mismatch (or K)
-    j = torch.arange(k + 1, device=x.device)
-    return torch.where(j <= num_accepted[:, None], y_grid, -1), num_accepted
+    return _match_grid(y, rows, d)
 
 
 def sample_rows(z: torch.Tensor, tile_lse: torch.Tensor, greedy: torch.Tensor,
@@ -651,8 +845,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
             out = _match_cpu(plan, inputs, err)  # (the draws and the match in one call)
             if out is not None:
                 return out, err
-        y = sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
-                             batch.seed_hi[req], plan.row_pos)
+        y = sample_processed(*inputs, batch, req, plan.row_pos)
         if not one_hot:  # (z' itself is needed)
             z = process_rows(plan, inputs=inputs)
             tile_lse, lse = processed_tile_logsumexp(z)
@@ -689,23 +882,59 @@ def checked_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor]:
     batch = plan.batch
     req = plan.row_req
     plan, row_max, err = clean_rows(plan)
-    inputs = row_inputs(plan, row_max=row_max)
+    y, m, filters = row_inputs(plan, row_max=row_max)
     if batch.needs_bias or batch.needs_penalties:
         live = plan.row_live & (err == 0)[req]
-        err |= _or_per_request(~torch.isfinite(inputs[1]) & live, req, plan.num_requests,
+        err |= _or_per_request(~torch.isfinite(m) & live, req, plan.num_requests,
                                ERR_PROCESSED_OVERFLOW)
-    return plan, inputs, err
+    if filters is not None:  # (no cut is searched for on the rows nobody reads)
+        filters.live = plan.row_live & (err == 0)[req]
+    return plan, (y, m, filters), err
 
 
-def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
-                     temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                     pos: torch.Tensor) -> torch.Tensor:
+def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFilters | None,
+                     batch, row_req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """[R] int64: each row's token from its processed inputs (``processing.row_inputs``: the
-    rows ``x`` after bans, bias and penalties, their maxima ``m``, the filter ``cut`` or
-    None): the first argmax of ``x`` where ``temperature`` [R] is 0, else the draw of
-    :func:`_processed_rows` (three-level Gumbel-max of z' made on the fly; compiled on the
-    CPU). The CPU path draws every sampled row with this function, or with
-    :func:`match_processed`, which draws alike."""
+    rows ``x`` after bans, bias and penalties, their maxima ``m``, their ``filters`` or
+    None), the row's request ``row_req`` in ``batch`` and position ``pos`` [R]: the first
+    argmax of ``x`` for greedy requests; for sampled requests with top_k or top_p the draw
+    of :func:`_candidate_draw` (the cut found and the row drawn from its candidates in one
+    compiled call), or where that finds no cut, the draw of :func:`_processed_rows` from the
+    cut of ``processing.filter_cut``; for the other rows the draw of :func:`_processed_rows`
+    (three-level Gumbel-max of z' made on the fly, min_p's threshold applied). Compiled on the
+    CPU. Which function draws a row depends on the row alone, never on its batch. The CPU
+    path draws every sampled row with this function, or with :func:`match_processed`, which
+    draws alike."""
+    n_ranked, need_total, _ = batch.rank_filters
+    temperature = batch.temperature[row_req]
+    if filters is None or n_ranked == 0:
+        y = _draw_with_cut(x, m, None if filters is None else filters.threshold(),
+                           temperature, batch.seed_lo[row_req], batch.seed_hi[row_req], pos)
+    elif n_ranked == batch.num_requests:
+        y = _draw_candidates(x, filters, batch, row_req, pos, None, need_total)
+    else:
+        ranked = filters.ranked
+        y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        idx = ranked.nonzero().squeeze(1)
+        y[idx] = _draw_candidates(x, filters, batch, row_req, pos, idx, need_total)
+        rest = (~ranked).nonzero().squeeze(1)
+        cut = tuple(c[rest] for c in filters.threshold())
+        req = row_req[rest]
+        y[rest] = _draw_with_cut(x[rest], m[rest], cut, temperature[rest], batch.seed_lo[req],
+                                 batch.seed_hi[req], pos[rest])
+    greedy = temperature == 0
+    if batch.any_greedy and bool(greedy.any()):
+        # (argmax z' = argmax of the rows before temperature where T = 0)
+        idx = greedy.nonzero().squeeze(1)
+        y[idx] = first_argmax(x[idx].float())
+    return y
+
+
+def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
+                   temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                   pos: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the draw of :func:`_processed_rows` of rows ``x`` [R, V] with the filter
+    ``cut`` (cut_v, cut_i) or None (greedy rows get a token their caller replaces)."""
     v = x.shape[1]
     if cut is None:
         cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
@@ -718,59 +947,148 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
     if not any_ties or bool(ties.all()):
-        y = _call_rows("processed_rows", _processed_rows, x, per_row, rng.STREAM_SAMPLE,
-                       rng.STREAM_SAMPLE_TILE, any_ties)
-    else:
-        y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-        for flag in (False, True):
-            idx = (ties == flag).nonzero().squeeze(1)
-            y[idx] = _call_rows("processed_rows", _processed_rows, x[idx],
-                                tuple(t[idx] for t in per_row), rng.STREAM_SAMPLE,
-                                rng.STREAM_SAMPLE_TILE, flag)
-    greedy = temperature == 0
-    if bool(greedy.any()):  # (argmax z' = argmax of the rows before temperature where T = 0)
-        idx = greedy.nonzero().squeeze(1)
-        y[idx] = first_argmax(x[idx].float())
+        return _call_rows("processed_rows", _processed_rows, x, per_row, rng.STREAM_SAMPLE,
+                          rng.STREAM_SAMPLE_TILE, any_ties)
+    y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    for flag in (False, True):
+        idx = (ties == flag).nonzero().squeeze(1)
+        y[idx] = _call_rows("processed_rows", _processed_rows, x[idx],
+                            tuple(t[idx] for t in per_row), rng.STREAM_SAMPLE,
+                            rng.STREAM_SAMPLE_TILE, flag)
     return y
 
 
-def match_processed(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
-                    row_req: torch.Tensor, row_pos: torch.Tensor, temperature: torch.Tensor,
-                    seed_lo: torch.Tensor, seed_hi: torch.Tensor, rows: torch.Tensor,
+def _row_args(batch, row_req: torch.Tensor, m: torch.Tensor, t: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """[R] -> [R, 3] float32 per-row arguments of :func:`_candidate_draw`: (``m`` the finite
+    maxima, the temperature ``t`` (default: the rows' requests'), min_p's cut as
+    ``processing.filter_settings`` makes it, or -inf). (Made here, not in the compiled
+    function: Inductor would compute a value derived there from the request index again for
+    every element of the row.)"""
+    t = batch.temperature[row_req] if t is None else t
+    if batch.rank_filters[2]:
+        min_p = batch.min_p[row_req]
+        on = (min_p > 0) & (t > 0)
+        cut = processing.round_up_f32(m.double() + t.double() * torch.log(
+            torch.where(on, min_p, 1.0)))
+        cut = torch.where(on, cut, -math.inf)
+    else:
+        cut = torch.full_like(m, -math.inf)
+    return torch.stack([m, t, cut], 1)
+
+
+def _request_args(batch, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-request arguments of :func:`_candidate_draw`: (top_p [N] float64, req_i [N, 3]
+    int64 = (top_k, seed_lo, seed_hi)), each request repeated to ``n_pad`` when N is 1
+    (compiled shapes are dynamic except for sizes of 1)."""
+    req_i = torch.stack([batch.top_k, batch.seed_lo, batch.seed_hi], 1)
+    top_p = batch.top_p
+    if top_p.shape[0] == 1:
+        top_p, req_i = top_p.expand(n_pad), req_i.expand(n_pad, 3)
+    return top_p, req_i
+
+
+_CANDIDATE_STREAMS = (rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE,
+                      rng.sub_stream(rng.STREAM_SAMPLE_TILE))
+
+
+def _draw_candidates(x: torch.Tensor, filters: processing.RowFilters, batch,
+                     row_req: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor | None,
+                     need_total: bool) -> torch.Tensor:
+    """The tokens of rows ``idx`` (sampled top_k / top_p rows; None: every row) by
+    :func:`_candidate_draw`, and by :func:`_draw_with_cut` from the exact cut where their
+    candidates did not hold it."""
+    per_row = (x, filters.m, row_req, pos, filters.live)
+    if idx is not None:
+        per_row = tuple(t[idx] for t in per_row)
+    per_row = (per_row[0], _row_args(batch, per_row[2], per_row[1]), *per_row[2:])
+    r = per_row[0].shape[0]
+    if r == 1:  # (compiled shapes are dynamic except for sizes of 1: the row goes twice)
+        with torch.inference_mode(False):
+            per_row = tuple(torch.cat([t, t]) for t in per_row)
+    y, found = _call_cpu("candidate_rows", _candidate_draw, per_row[0],
+                         (*per_row[1:], *_request_args(batch, 2)), _CANDIDATE_STREAMS,
+                         (need_total,))
+    y, found = y[:r], found[:r]
+    if not bool(found.all()):
+        rows = torch.arange(x.shape[0]) if idx is None else idx
+        y = _redraw_missed(x, filters, batch, row_req, pos, rows, y, found)
+    return y
+
+
+def _redraw_missed(x: torch.Tensor, filters: processing.RowFilters, batch,
+                   row_req: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
+                   y: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+    """``y`` (the tokens of rows ``idx``) with the rows that :func:`_candidate_draw` did not
+    find drawn again by :func:`_draw_with_cut`, from their exact cut."""
+    paths.record("cpu.candidates_missed", int((~found).sum()))
+    miss = idx[~found]
+    if filters.has_cut:
+        cut = tuple(c[miss] for c in filters.cut())
+    else:  # (more survivors than candidates, mostly: a wide nucleus)
+        cut = filters.select(miss, wide=True).cut()
+    req = row_req[miss]
+    y = y.clone()
+    y[~found] = _draw_with_cut(x[miss], filters.m[miss], cut, batch.temperature[req],
+                               batch.seed_lo[req], batch.seed_hi[req], pos[miss])
+    return y
+
+
+def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFilters | None,
+                    batch, row_req: torch.Tensor, row_pos: torch.Tensor, rows: torch.Tensor,
                     d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One-hot verification of sampled CPU rows in one compiled call (:func:`_matched_rows`):
-    (token_ids [N, K + 1] int64, num_accepted [N] int64) from the rows' processed inputs
-    (``processing.row_inputs``: ``x``, ``m``, ``cut``), each row's request ``row_req`` and
-    position ``row_pos`` [R], the requests' ``temperature`` [N] (every one > 0) and seeds
-    [N], the grid ``rows`` [N, K + 1] of each request's rows and its drafts ``d`` [N, K]
-    (-1 past k_eff), K >= 1. The tokens are :func:`sample_processed`'s. Returns None when the
-    rows' cuts mix both kinds (tie-splitting and threshold), which need two compiled draws:
-    the caller then takes :func:`sample_processed`."""
+    """One-hot verification of sampled CPU rows in one compiled call (:func:`_matched_rows`,
+    or :func:`_matched_candidates` when every request has top_k or top_p): (token_ids [N, K +
+    1] int64, num_accepted [N] int64) from the rows' processed inputs
+    (``processing.row_inputs``: ``x``, ``m``, ``filters``), each row's request ``row_req``
+    and position ``row_pos`` [R], ``batch`` (every request sampled), the grid ``rows`` [N,
+    K + 1] of each request's rows and its drafts ``d`` [N, K] (-1 past k_eff), K >= 1. The
+    tokens are :func:`sample_processed`'s. Returns None when some requests have top_k /
+    top_p and others not (two compiled draws): the caller then takes
+    :func:`sample_processed`."""
     n, k = d.shape
-    ties = False
-    cut_v = cut_i = None
-    if cut is not None:
-        cut_v, cut_i = cut
-        split = cut_i < x.shape[1]
-        ties = bool(split.any())
-        if ties and not bool(split.all()):
-            return None
-    seeds = torch.stack([seed_lo, seed_hi], 1)
-    temperature = temperature.float()
-    # (compiled shapes are dynamic except for sizes of 1: a single request goes twice, a
-    # single draft gets a placeholder after it, which never matches)
+    n_ranked, need_total, _ = batch.rank_filters
+    candidates = filters is not None and n_ranked > 0
+    if candidates and n_ranked < n:
+        return None
+    rows_in, d_in = rows, d
+    per_row = (x, m if filters is None else filters.m, row_req, row_pos)
+    if candidates:
+        per_row = (x, _row_args(batch, row_req, filters.m), row_req, row_pos, filters.live)
+    else:
+        cut_v, cut_i = (None, None) if filters is None else filters.threshold()  # (min_p)
+        per_row = (*per_row, cut_v, cut_i)
+    # (compiled shapes are dynamic except for sizes of 1: a single row or request goes
+    # twice, a single draft gets a placeholder after it, which never matches)
     with torch.inference_mode(False):
+        if x.shape[0] == 1:
+            per_row = tuple(t if t is None else torch.cat([t, t]) for t in per_row)
         if n == 1:
-            temperature, seeds, rows, d = (torch.cat([t, t]) for t in (temperature, seeds,
-                                                                       rows, d))
+            rows, d = torch.cat([rows, rows]), torch.cat([d, d])
         if k == 1:
             rows, d = torch.cat([rows, rows[:, 1:]], 1), torch.cat([d, torch.full_like(d, -1)], 1)
-    streams = (rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE, rng.sub_stream(rng.STREAM_SAMPLE_TILE))
-    token_ids, num_accepted = _call_cpu(
-        "matched_rows", _matched_rows, x, (m, cut_v, cut_i, row_req, row_pos, temperature,
-                                           seeds, rows, d), streams, (ties,),
-        ("nocut",) if cut is None else ())
-    return token_ids[:n, :k + 1], num_accepted[:n]
+    if candidates:
+        token_ids, num_accepted, y, found = _call_cpu(
+            "matched_candidates", _matched_candidates, per_row[0],
+            (*per_row[1:], *_request_args(batch, 2), rows, d), _CANDIDATE_STREAMS,
+            (need_total,))
+        if not bool(found.all()):
+            r = x.shape[0]
+            y = _redraw_missed(x, filters, batch, row_req, row_pos, torch.arange(r), y[:r],
+                               found[:r])
+            token_ids, num_accepted = _match_grid(y, rows_in, d_in)
+    else:
+        temperature, seeds = batch.temperature, torch.stack([batch.seed_lo, batch.seed_hi], 1)
+        if n == 1:
+            temperature, seeds = torch.cat([temperature, temperature]), torch.cat([seeds, seeds])
+        x_, m_, req_, pos_, cut_v, cut_i = per_row
+        token_ids, num_accepted = _call_cpu(
+            "matched_rows", _matched_rows, x_, (m_, cut_v, cut_i, req_, pos_, temperature,
+                                                seeds, rows, d), _CANDIDATE_STREAMS, (False,),
+            ("nocut",) if filters is None else ())
+    if k == 1 or n == 1:  # (the padded grid's own rows: a new, contiguous tensor)
+        token_ids = token_ids[:n, :k + 1].contiguous()
+    return token_ids, num_accepted[:n]
 
 
 def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | None:
@@ -783,9 +1101,8 @@ def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | N
         rows = torch.arange(plan.num_rows).view(n, k + 1)
     else:
         rows = (plan.row_start[:, None] + torch.arange(k + 1)).clamp_max(plan.num_rows - 1)
-    batch = plan.batch
-    out = match_processed(*inputs, plan.row_req, plan.row_pos, batch.temperature,
-                          batch.seed_lo, batch.seed_hi, rows, plan.draft_grid)
+    out = match_processed(*inputs, plan.batch, plan.row_req, plan.row_pos, rows,
+                          plan.draft_grid)
     if out is None:
         return None
     token_ids, num_accepted = out

@@ -498,12 +498,14 @@ def _processed(plan: TreePlan) -> tuple[TreePlan, torch.Tensor, torch.Tensor, tu
                                         batch=dataclasses.replace(batch, needs_bans=False))
         row_max = None
     inputs = row_inputs(proc_plan, row_max=row_max)
-    z = process_rows(proc_plan, inputs=inputs)
     if batch.needs_bias or batch.needs_penalties:
         live = ~(err != 0)[plan.row_req] & plan.row_live
         # (the rows' maxima: z' has a non-finite maximum exactly when they do)
         err |= _or_per_request(~torch.isfinite(inputs[1]) & live, plan.row_req, n,
                                torch_backend.ERR_PROCESSED_OVERFLOW)
+    if inputs[2] is not None:  # (no cut is searched for on the rows nobody reads)
+        inputs[2].live = ~(err != 0)[plan.row_req] & plan.row_live
+    z = process_rows(proc_plan, inputs=inputs)
     return plan, z, err, inputs
 
 
@@ -622,8 +624,7 @@ def _run_tree(plan: TreePlan) -> tuple[TreeVerifyOutput, torch.Tensor]:
     greedy_req = batch.temperature == 0
     pos = plan.positions[req] + tree.row_depth
     if z.device.type == "cpu":  # (the CPU path's one draw: as sample() and verify() draw)
-        y = torch_backend.sample_processed(*inputs, batch.temperature[req], batch.seed_lo[req],
-                                           batch.seed_hi[req], pos)
+        y = torch_backend.sample_processed(*inputs, batch, req, pos)
     else:
         y = torch_backend.sample_rows(z, tile_lse, greedy_req[req], batch.seed_lo[req],
                                       batch.seed_hi[req], pos)

@@ -827,6 +827,12 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
             # inference tensors
             with torch.inference_mode():
                 batch = SamplingBatch.from_params(params, vocab_size=vocab_size, device=device)
+                # (sampled requests with top_k / top_p alone: their one-hot verify draws from
+                # the candidates and matches in one call)
+                ranked = SamplingBatch.from_params(
+                    [SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9),
+                     SamplingParams(temperature=0.8, seed=2, top_p=0.9)],
+                    vocab_size=vocab_size, device=device)
                 for dtype in dtypes:
                     rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
                     drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
@@ -835,7 +841,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                     verify(rows, drafts, k, batch, positions=pos, strict=False)
                     verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
                            strict=False)
-                    calls += 2
+                    verify(rows, drafts, k, ranked, positions=pos, strict=False)
+                    calls += 3
         return calls
 
     def every_kind() -> int:
