@@ -282,3 +282,40 @@ def test_append_with_penalties_and_bad_words_is_captured():
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
     assert eager.num_output.tolist() == [4, 2]
     assert eager.context_tail[0].tolist() == [2, 3]
+
+
+def _seen_by_scan(batch):
+    return sorted(set(zip(*(t.tolist() for t in (
+        (batch.output_counts > 0) | batch.prompt_mask).nonzero(as_tuple=True)))))
+
+
+def test_seen_pairs_follow_append_and_in_place_changes():
+    """SamplingBatch.seen_pairs (the tokens repetition_penalty touches) equals a scan of the
+    [N, V] state after from_params, after append() (which extends the kept pairs on the CPU:
+    invalid requests, -1 slots and requests without penalties add nothing), and after the
+    state is changed in place or replaced; and a stale copy would fail the comparison."""
+    v = 32
+    params = [SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.2),
+              SamplingParams(temperature=0.8, seed=2),
+              SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, prompt_token_ids=[[1, 2], [3], [4]],
+                                      output_token_ids=[[5], [6], [7, 7]])
+
+    def seen():
+        return sorted(set(zip(*(t.tolist() for t in batch.seen_pairs()))))
+
+    assert seen() == _seen_by_scan(batch) == [(0, 1), (0, 2), (0, 5), (2, 7)]
+    out = VerifyOutput(token_ids=torch.tensor([[9, 10, -1], [11, -1, -1], [12, 13, 14]]),
+                       num_accepted=torch.tensor([1, 0, 2]), logprobs=None,
+                       logprob_token_ids=None, invalid=torch.tensor([False, False, True]))
+    before = batch.seen_pairs()
+    batch.append(out)
+    assert batch.seen_pairs() is not before
+    assert seen() == _seen_by_scan(batch)
+    assert (0, 9) in seen() and (0, 10) in seen() and not any(p[0] == 1 for p in seen())
+    assert not any(p[1] in (12, 13, 14) for p in seen())  # (the invalid request)
+    stale = seen()
+    batch.output_counts[2, 20] = 1.0  # in place, by hand
+    assert seen() == _seen_by_scan(batch) != stale
+    batch.prompt_mask = torch.zeros_like(batch.prompt_mask)  # replaced
+    assert seen() == _seen_by_scan(batch)

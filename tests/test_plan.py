@@ -60,3 +60,38 @@ def test_device_layout_takes_no_shortcut(monkeypatch):
     assert not plan.uniform and not plan.placeholder_free
     k_eff, grid, live = _general(plan)
     assert torch.equal(plan.k_eff, k_eff) and torch.equal(plan.draft_grid, grid)
+
+
+def _general_prior_pairs(plan):
+    """Plan.prior_draft_pairs by its definition: draft j' of request i (live, id in [0, V))
+    at rows j' + 1 .. k_eff of the request, as a sorted list of (row, token)."""
+    k_eff, _, _ = _general(plan)
+    d = plan.draft_token_ids.tolist()
+    pairs = []
+    for i in range(plan.num_requests):
+        s, r = int(plan.draft_start[i]), int(plan.row_start[i])
+        for jp in range(int(k_eff[i])):
+            if 0 <= d[s + jp] < plan.vocab_size:
+                pairs += [(r + j, d[s + jp]) for j in range(jp + 1, int(k_eff[i]) + 1)]
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("ks,drafts,max_k", [
+    ([3, 3], [1, 2, 3, 4, 5, 6], None),
+    ([3, 3], [1, -1, 3, 4, 5, 6], None),  # a placeholder: the general formula
+    ([3, 1, 0, 2], [1, 2, 3, 4, 5, 6], None),
+    ([2, 2], [1, 2, 3, 4], 3),
+    ([1], [7], None),
+])
+def test_prior_draft_pairs_of_the_cached_pattern_match_the_definition(ks, drafts, max_k):
+    plan = _plan(ks, drafts, max_k)
+    rows, toks = plan.prior_draft_pairs()
+    assert sorted(zip(rows.tolist(), toks.tolist())) == _general_prior_pairs(plan)
+
+
+def test_prior_draft_pairs_clamp_an_id_outside_the_vocabulary_to_its_own_rows():
+    plan = _plan([2, 2], [1, 99, 3, 4])  # request 0 is invalid (ERR_DRAFT_ID), V = 16
+    rows, toks = plan.prior_draft_pairs()
+    assert toks.min() >= 0 and toks.max() < plan.vocab_size
+    ok = sorted(p for p in zip(rows.tolist(), toks.tolist()) if p[0] >= 3)
+    assert ok == [p for p in _general_prior_pairs(plan) if p[0] >= 3]  # request 1 unchanged

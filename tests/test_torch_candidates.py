@@ -146,7 +146,7 @@ def test_tokens_are_the_exact_cut_route(vocab):
     f = _filters(x, params)
     cut = f.cut()
     batch = SamplingBatch.from_params(params, vocab_size=vocab)
-    want = tb._draw_with_cut(x, f.m, cut, batch.temperature, batch.seed_lo, batch.seed_hi, pos)
+    want = tb._draw_with_cut(x, f.m, cut, batch.temperature, tb._seeds(batch), pos)
     assert torch.equal(got, want)
 
 

@@ -183,7 +183,7 @@ def _describe_errors(codes: list[int]) -> str:
 
 
 def _raise_if_invalid(err: torch.Tensor) -> None:
-    if bool((err != 0).any()):
+    if bool(err.any()):
         codes = err.tolist()
         raise SamplingError([i for i, c in enumerate(codes) if c], _describe_errors(codes))
 

@@ -355,6 +355,8 @@ class SamplingBatch:
     def __setattr__(self, name: str, value) -> None:
         # Any change drops the eager calls recorded with this batch (specsample.call_cache).
         object.__setattr__(self, name, value)
+        for kept in ("_seen", "_derived"):
+            self.__dict__.pop(kept, None)
         call_cache.forget(self)
 
     @property
@@ -405,6 +407,34 @@ class SamplingBatch:
         req, ids = dense.nonzero(as_tuple=True)
         reps = dense[req, ids].to(torch.int64)
         return req.repeat_interleave(reps), ids.repeat_interleave(reps)
+
+    def derived(self, name: str, make):
+        """``make(self)``, made once per batch (outside inference mode) and kept under
+        ``name``: a backend's tensors derived from the per-request fields, such as stacked
+        seeds. Dropped when an attribute is set."""
+        kept = self.__dict__.setdefault("_derived", {})
+        if name not in kept:
+            with torch.inference_mode(False):
+                kept[name] = make(self)
+        return kept[name]
+
+    def _seen_key(self) -> tuple:
+        oc, pm = self.output_counts, self.prompt_mask
+        return oc._version, pm._version, oc.data_ptr(), pm.data_ptr()
+
+    def seen_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request, token id) pairs [M] int64 of every recorded prompt and output token
+        (``prompt_mask``, ``output_counts`` > 0): the tokens repetition_penalty touches, in
+        no set order, a token possibly listed more than once. Found by one scan of the
+        [N, V] state (reading its size on the host) and kept while that state is unchanged;
+        on the CPU :meth:`append` extends the kept pairs with the tokens it counts, so a
+        decode loop never scans [N, V] again."""
+        kept = self.__dict__.get("_seen")
+        if kept is not None and kept[0] == self._seen_key():
+            return kept[1], kept[2]
+        req, tok = ((self.output_counts > 0) | self.prompt_mask).nonzero(as_tuple=True)
+        self.__dict__["_seen"] = (self._seen_key(), req, tok)
+        return req, tok
 
     @property
     def output_req(self) -> torch.Tensor:
@@ -594,8 +624,15 @@ class SamplingBatch:
             # One scatter-add of 0 / 1 per emitted slot into the flat [N * V] counts (exact
             # integers in any order; no sort, capturable).
             flat = torch.arange(n, device=tok.device)[:, None] * self.vocab_size + tok.clamp_min(0)
-            add = (emitted & penal[:, None]).to(torch.float32)
-            self.output_counts.view(-1).scatter_add_(0, flat.reshape(-1), add.reshape(-1))
+            counted = emitted & penal[:, None]
+            kept = self.__dict__.get("_seen")
+            kept = kept if kept is not None and kept[0] == self._seen_key() else None
+            self.output_counts.view(-1).scatter_add_(0, flat.reshape(-1),
+                                                     counted.to(torch.float32).reshape(-1))
+            if kept is not None and tok.device.type == "cpu":  # (seen_pairs, extended)
+                req, j = counted.nonzero(as_tuple=True)
+                self.__dict__["_seen"] = (self._seen_key(), torch.cat([kept[1], req]),
+                                          torch.cat([kept[2], tok[req, j]]))
         width = self.context_tail.shape[1]
         if width:
             # The last W of (tail, emitted tokens): columns count .. count + W - 1.

@@ -118,6 +118,8 @@ class Plan:
     @functools.cached_property
     def row_pos(self) -> torch.Tensor:
         """[T] int64 absolute position of every row."""
+        if self.num_rows == self.num_requests:  # (one row per request: j = 0)
+            return self.positions
         return self.positions[self.row_req] + self.row_j
 
     @functools.cached_property
@@ -132,10 +134,17 @@ class Plan:
 
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) pairs: each live draft j' counted at rows j' + 1 .. k_eff of its request.
-        Ids outside [0, V) are left out (their request is invalid: ERR_DRAFT_ID)."""
+        Ids outside [0, V) are left out (their request is invalid: ERR_DRAFT_ID), or where
+        the layout is the host's without placeholders, clamped into [0, V) (pairs at fixed
+        places, cached per layout); either way only that invalid request's rows see them."""
         if self.draft_token_ids.numel() == 0:
             empty = self.draft_token_ids.new_empty(0)
             return empty, empty
+        if self.placeholder_free:  # (every draft live, k_eff = k_i: the pairs' places are
+            # fixed by the host k_i; an id outside [0, V) is clamped instead of left out: only
+            # its own request's rows see it, and that request is invalid)
+            rows, didx = _prior_pattern(self.num_draft, self.logits.device)
+            return rows, self.draft_token_ids[didx].clamp(0, self.vocab_size - 1)
         kmax = self.max_k
         dj = self.draft_j[:, None]
         later = dj + 1 + torch.arange(kmax, device=dj.device)[None, :]  # [S, K] row js
@@ -145,6 +154,23 @@ class Plan:
         rows = (self.row_start[self.draft_req][:, None] + later)[ok]
         toks = self.draft_token_ids[:, None].expand_as(later)[ok]
         return rows, toks
+
+
+@functools.lru_cache(maxsize=256)
+def _prior_pattern(num_draft: tuple[int, ...], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [P], draft indices [P]) int64 of :meth:`Plan.prior_draft_pairs` for a host
+    layout without placeholders: draft j' of request i at its rows j' + 1 .. k_i (cached)."""
+    rows, didx = [], []
+    r = s = 0
+    for k in num_draft:
+        for j in range(1, k + 1):
+            rows += [r + j] * j
+            didx += range(s, s + j)
+        r += k + 1
+        s += k
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(didx, dtype=torch.int64, device=device))
 
 
 @functools.lru_cache(maxsize=256)

@@ -154,15 +154,20 @@ def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs [P] int64 that repetition_penalty touches, duplicates allowed: the
     tokens of each request's prompt and outputs at every row of the request (rows j <= k_i,
     as :func:`ban_pairs` lays them out), and each live draft at the rows after it
-    (:meth:`Plan.prior_draft_pairs`). Sparse: the [N, V] masks are read once per request, not
-    once per row."""
+    (:meth:`Plan.prior_draft_pairs`). Sparse: the request's tokens come from
+    ``SamplingBatch.seen_pairs`` (no scan of the [N, V] state per call)."""
     batch = plan.batch
-    req, tok = ((batch.output_counts > 0) | batch.prompt_mask).nonzero(as_tuple=True)
+    req, tok = batch.seen_pairs()
     j = torch.arange(plan.max_k + 1, device=plan.logits.device)
-    ok = j <= plan.k_given[req][:, None]  # [M, K + 1]
+    rows = plan.row_start[req][:, None] + j  # [M, K + 1]
+    tok = tok[:, None].expand_as(rows)
+    if plan.uniform:  # (every request has rows j <= K)
+        rows, tok = rows.reshape(-1), tok.reshape(-1)
+    else:
+        ok = j <= plan.k_given[req][:, None]
+        rows, tok = rows[ok], tok[ok]
     d_rows, d_toks = plan.prior_draft_pairs()
-    return (torch.cat([(plan.row_start[req][:, None] + j)[ok], d_rows]),
-            torch.cat([tok[:, None].expand_as(ok)[ok], d_toks]))
+    return torch.cat([rows, d_rows]), torch.cat([tok, d_toks])
 
 
 def round_up_f32(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ residual draw on at most one row per request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -857,12 +858,14 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         batch.seed_hi[req], plan.row_pos)
     invalid = err != 0
     if plan.max_k == 0:  # sample(), or no drafts at all: each request emits its row's token
-        # (a new tensor: the cached layout may hold inference-mode tensors, which autograd
-        # must not save when the logits require grad)
-        rows = plan.row_start[:, None].clone()
-        token_ids = torch.where(invalid[:, None], -1, y[rows])
+        token_ids = y[:, None] if plan.num_rows == n else y[plan.row_start][:, None]
+        if y.device.type != "cpu" or bool(err.any()):  # (a host read costs nothing on CPU)
+            token_ids = torch.where(invalid[:, None], -1, token_ids)
         num_accepted = torch.zeros(n, dtype=torch.int64, device=y.device)
-        emitted = ~invalid[:, None]
+        if batch.max_logprobs >= 0:
+            # (a new tensor: the cached layout may hold inference-mode tensors, which
+            # autograd must not save when the logits require grad)
+            rows, emitted = plan.row_start[:, None].clone(), ~invalid[:, None]
     else:
         rows, num_accepted, token_ids, emitted = _verify_drafts(plan, z, lse, y, invalid)
     logprobs = logprob_ids = None
@@ -906,10 +909,12 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFi
     path draws every sampled row with this function, or with :func:`match_processed`, which
     draws alike."""
     n_ranked, need_total, _ = batch.rank_filters
-    temperature = batch.temperature[row_req]
+    one_each = x.shape[0] == batch.num_requests  # (row i is request i: no gathers)
+    temperature = batch.temperature if one_each else batch.temperature[row_req]
     if filters is None or n_ranked == 0:
+        seeds = _seeds(batch) if one_each else _seeds(batch)[row_req]
         y = _draw_with_cut(x, m, None if filters is None else filters.threshold(),
-                           temperature, batch.seed_lo[row_req], batch.seed_hi[row_req], pos)
+                           temperature, seeds, pos)
     elif n_ranked == batch.num_requests:
         y = _draw_candidates(x, filters, batch, row_req, pos, None, need_total)
     else:
@@ -919,22 +924,28 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFi
         y[idx] = _draw_candidates(x, filters, batch, row_req, pos, idx, need_total)
         rest = (~ranked).nonzero().squeeze(1)
         cut = tuple(c[rest] for c in filters.threshold())
-        req = row_req[rest]
-        y[rest] = _draw_with_cut(x[rest], m[rest], cut, temperature[rest], batch.seed_lo[req],
-                                 batch.seed_hi[req], pos[rest])
-    greedy = temperature == 0
-    if batch.any_greedy and bool(greedy.any()):
-        # (argmax z' = argmax of the rows before temperature where T = 0)
-        idx = greedy.nonzero().squeeze(1)
-        y[idx] = first_argmax(x[idx].float())
+        y[rest] = _draw_with_cut(x[rest], m[rest], cut, temperature[rest],
+                                 _seeds(batch)[row_req[rest]], pos[rest])
+    if batch.any_greedy:
+        greedy = temperature == 0
+        if bool(greedy.any()):
+            # (argmax z' = argmax of the rows before temperature where T = 0)
+            idx = greedy.nonzero().squeeze(1)
+            y[idx] = first_argmax(x[idx].float())
     return y
 
 
+def _seeds(batch) -> torch.Tensor:
+    """[N, 2] int64 (seed_lo, seed_hi) of ``batch``'s requests (made once per batch)."""
+    return batch.derived("seeds", lambda b: torch.stack([b.seed_lo, b.seed_hi], 1))
+
+
 def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
-                   temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                   pos: torch.Tensor) -> torch.Tensor:
+                   temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor
+                   ) -> torch.Tensor:
     """[R] int64: the draw of :func:`_processed_rows` of rows ``x`` [R, V] with the filter
-    ``cut`` (cut_v, cut_i) or None (greedy rows get a token their caller replaces)."""
+    ``cut`` (cut_v, cut_i) or None (greedy rows get a token their caller replaces);
+    ``seeds`` [R, 2] int64 (seed_lo, seed_hi), ``pos`` [R] int64."""
     v = x.shape[1]
     if cut is None:
         cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
@@ -943,7 +954,7 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
         ties = cut[1] < v
         any_ties = bool(ties.any())
     per_row = (torch.stack([m.float(), temperature.float(), cut[0].float()], 1),
-               torch.stack([cut[1], seed_lo, seed_hi, pos], 1))
+               torch.cat([cut[1][:, None], seeds, pos[:, None]], 1))
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
     if not any_ties or bool(ties.all()):
@@ -981,11 +992,13 @@ def _request_args(batch, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-request arguments of :func:`_candidate_draw`: (top_p [N] float64, req_i [N, 3]
     int64 = (top_k, seed_lo, seed_hi)), each request repeated to ``n_pad`` when N is 1
     (compiled shapes are dynamic except for sizes of 1)."""
-    req_i = torch.stack([batch.top_k, batch.seed_lo, batch.seed_hi], 1)
-    top_p = batch.top_p
-    if top_p.shape[0] == 1:
-        top_p, req_i = top_p.expand(n_pad), req_i.expand(n_pad, 3)
-    return top_p, req_i
+    def make(b):
+        req_i = torch.stack([b.top_k, b.seed_lo, b.seed_hi], 1)
+        if b.num_requests == 1:  # (new tensors: views would be copied at every call)
+            return b.top_p.repeat(n_pad), req_i.repeat(n_pad, 1)
+        return b.top_p, req_i
+
+    return batch.derived(f"request_args{n_pad}", make)
 
 
 _CANDIDATE_STREAMS = (rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE,
@@ -1030,7 +1043,7 @@ def _redraw_missed(x: torch.Tensor, filters: processing.RowFilters, batch,
     req = row_req[miss]
     y = y.clone()
     y[~found] = _draw_with_cut(x[miss], filters.m[miss], cut, batch.temperature[req],
-                               batch.seed_lo[req], batch.seed_hi[req], pos[miss])
+                               _seeds(batch)[req], pos[miss])
     return y
 
 
@@ -1078,9 +1091,8 @@ def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFil
                                found[:r])
             token_ids, num_accepted = _match_grid(y, rows_in, d_in)
     else:
-        temperature, seeds = batch.temperature, torch.stack([batch.seed_lo, batch.seed_hi], 1)
-        if n == 1:
-            temperature, seeds = torch.cat([temperature, temperature]), torch.cat([seeds, seeds])
+        temperature, seeds = batch.derived("matched_rows_args", lambda b: tuple(
+            torch.cat([t, t]) if b.num_requests == 1 else t for t in (b.temperature, _seeds(b))))
         x_, m_, req_, pos_, cut_v, cut_i = per_row
         token_ids, num_accepted = _call_cpu(
             "matched_rows", _matched_rows, x_, (m_, cut_v, cut_i, req_, pos_, temperature,
@@ -1098,7 +1110,7 @@ def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | N
     k = plan.max_k
     n = plan.num_requests
     if plan.uniform and plan.placeholder_free:  # (rows i (K + 1) + j)
-        rows = torch.arange(plan.num_rows).view(n, k + 1)
+        rows = _uniform_grid(n, k)
     else:
         rows = (plan.row_start[:, None] + torch.arange(k + 1)).clamp_max(plan.num_rows - 1)
     out = match_processed(*inputs, plan.batch, plan.row_req, plan.row_pos, rows,
@@ -1107,11 +1119,19 @@ def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | N
         return None
     token_ids, num_accepted = out
     invalid = err != 0
-    if bool(invalid.any()):
+    if bool(err.any()):
         token_ids = torch.where(invalid[:, None], -1, token_ids)
         num_accepted = torch.where(invalid, 0, num_accepted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=None,
                         logprob_token_ids=None, invalid=invalid)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_grid(n: int, k: int) -> torch.Tensor:
+    """[N, K + 1] int64 CPU rows i (K + 1) + j of a uniform layout (made once per shape;
+    read only)."""
+    with torch.inference_mode(False):
+        return torch.arange(n * (k + 1)).view(n, k + 1)
 
 
 def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
