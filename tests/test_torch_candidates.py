@@ -256,3 +256,53 @@ def test_histogram_nucleus_does_not_depend_on_the_batch():
     assert (int(together[1][3]), float(together[0][3])) == (int(alone[1][0]),
                                                              float(alone[0][0]))
     assert int(_kept(x[3:], *alone).sum()) == 3
+
+
+@SETTINGS
+@given(case=case_st())
+def test_wide_search_gives_the_same_cut(case):
+    """The missed rows' search (``wide``: from 256 candidates, then the histogram of the row)
+    finds the cut of the search from 16 candidates, exactly."""
+    x, params, _style = case
+    f = _filters(x, params)
+    wide = processing.RowFilters(f.y, f.m, f.live, settings=f.settings, wide=True)
+    for got, want in zip(wide.cut(), f.cut()):
+        assert torch.equal(got, want)
+
+
+def _nucleus_rows(n: int, v: int, width: int) -> torch.Tensor:
+    """Rows whose top_p 0.9 nucleus at T = 0.8 holds about ``width`` tokens (more than the
+    64 candidates), the rest far below."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(n, v, generator=g)
+    x[:, :width] += 12.0 + 0.5 * torch.randn(n, width, generator=g)
+    return x
+
+
+def test_missed_rows_take_the_function_with_the_id_rule(monkeypatch):
+    """Rows past their candidates are drawn by the pass's function with the id rule whatever
+    their cut (a tie-free cut included), so which compiled function draws a row depends on
+    the row alone and one variant serves every miss (the one a decode's warm-up compiles);
+    their tokens are the exact cut's draw."""
+    x = _nucleus_rows(3, 3000, 150)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(3)]
+    f = _filters(x, params)
+    assert (f.cut()[1] == x.shape[1]).any()  # (some cut splits no tie group)
+    flags = []
+    real = tb._call_rows
+
+    def spy(name, fn, x_, per_row, token_stream, tile_stream, *fl):
+        if name == "processed_rows":
+            flags.append(fl)
+        return real(name, fn, x_, per_row, token_stream, tile_stream, *fl)
+
+    monkeypatch.setattr(tb, "_call_rows", spy)
+    paths.reset()
+    pos = torch.arange(3) * 7
+    got = _call(x, params, pos)
+    assert paths.counts()["cpu.candidates_missed"]["rows"] == 3
+    assert flags == [(True,)]
+    batch = SamplingBatch.from_params(params, vocab_size=x.shape[1])
+    want = tb._draw_with_cut(x, f.m, f.cut(), batch.temperature, tb._seeds(batch), pos,
+                             id_rule=True)
+    assert torch.equal(got, want)

@@ -215,8 +215,8 @@ class RowFilters:
     ``live`` [T] bool: the rows that are read (no cut is searched for on the others: they
     keep min_p's); ``plan``: the call's plan (the settings come from its batch), or
     ``settings``: :func:`filter_settings`' (min_cut, t64, top_k, k_on, top_p, p_on) with
-    ``as_cut``; ``wide``: the rows' top_p nuclei are known to be wide (the cut goes straight
-    to the histogram of the row, :func:`_nucleus`)."""
+    ``as_cut``; ``wide``: the rows' top_p nuclei are known to be wide (the cut's search starts
+    at its widest round of candidates, :func:`_nucleus`)."""
 
     def __init__(self, y: torch.Tensor, m: torch.Tensor, live: torch.Tensor,
                  plan: Plan | None = None, settings: tuple | None = None,
@@ -422,11 +422,11 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     the decision is the exact one, else the total is recomputed in float64 from every
     survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
     tokens, where each round's top-k and sorts cost more than one pass over the row) the
-    cut comes from :func:`_nucleus_by_histogram` on CPU tensors, and at once with ``wide``
-    (rows whose nucleus is known to hold more than tens of tokens).
+    cut comes from :func:`_nucleus_by_histogram` on CPU tensors. ``wide``: the rows' nuclei
+    are known to hold more than tens of tokens: the search starts at
+    ``NUCLEUS_CANDIDATES_MAX`` candidates (a nucleus of up to 256 tokens, as a language
+    model's often holds, costs one round instead of the histogram of the row).
     """
-    if wide and masked.device.type == "cpu":
-        return _nucleus_by_histogram(masked, m, t64, top_p)
     r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
@@ -435,7 +435,7 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     total = block_total(e32)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
-    c = min(v, 16)
+    c = min(v, NUCLEUS_CANDIDATES_MAX if wide else 16)
     while True:
         cand_v, cand_i = _top_candidates(masked, c)
         order = torch.sort(cand_i, dim=-1).indices  # by id, then (stably) by value: rank order

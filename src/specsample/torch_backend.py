@@ -83,7 +83,10 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
         lo_hi = torch.aminmax(d) if on_cpu else None  # (one host read on CPU)
-        if not on_cpu or lo_hi.min.item() < 0 or lo_hi.max.item() >= plan.vocab_size:
+        lo = lo_hi.min.item() if on_cpu else -1
+        if lo >= 0 and plan.num_draft is not None:  # (no placeholder: Plan.placeholder_free
+            plan.__dict__["placeholder_free"] = True  # known without its own pass)
+        if not on_cpu or lo < 0 or lo_hi.max.item() >= plan.vocab_size:
             bad_id = (d < 0) | (d >= plan.vocab_size)
             err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
@@ -769,15 +772,15 @@ def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
     n = plan.num_requests
     row_max = plan.logits.amax(dim=-1)
     err = request_errors(plan, row_max)
-    invalid = err != 0
-    if bool(invalid.any()) or not plan.placeholder_free and bool((~plan.row_live).any()):
+    if bool(err.any()) or not plan.placeholder_free and bool((~plan.row_live).any()):
+        invalid = err != 0
         bad_rows = invalid[plan.row_req] | ~plan.row_live
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
         clean = torch.where(torch.isnan(clean) | torch.isposinf(clean), 0.0, clean)
         plan = dataclasses.replace(plan, logits=clean)
         row_max = torch.where(bad_rows, 0.0, row_max)  # (the zeroed rows' own maximum)
     if batch.needs_bans:
-        live = plan.row_live & ~invalid[plan.row_req]
+        live = plan.row_live & (err == 0)[plan.row_req]
         err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
     return plan, row_max, err
 
@@ -941,15 +944,18 @@ def _seeds(batch) -> torch.Tensor:
 
 
 def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
-                   temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor
-                   ) -> torch.Tensor:
+                   temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
+                   id_rule: bool = False) -> torch.Tensor:
     """[R] int64: the draw of :func:`_processed_rows` of rows ``x`` [R, V] with the filter
     ``cut`` (cut_v, cut_i) or None (greedy rows get a token their caller replaces);
-    ``seeds`` [R, 2] int64 (seed_lo, seed_hi), ``pos`` [R] int64."""
+    ``seeds`` [R, 2] int64 (seed_lo, seed_hi), ``pos`` [R] int64. ``id_rule``: every row
+    takes the function with the id rule (the same kept set where cut_i = V)."""
     v = x.shape[1]
     if cut is None:
         cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
         ties, any_ties = None, False
+    elif id_rule:
+        ties, any_ties = None, True
     else:
         ties = cut[1] < v
         any_ties = bool(ties.any())
@@ -957,7 +963,7 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
                torch.cat([cut[1][:, None], seeds, pos[:, None]], 1))
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
-    if not any_ties or bool(ties.all()):
+    if ties is None or not any_ties or bool(ties.all()):
         return _call_rows("processed_rows", _processed_rows, x, per_row, rng.STREAM_SAMPLE,
                           rng.STREAM_SAMPLE_TILE, any_ties)
     y = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
@@ -1033,7 +1039,8 @@ def _redraw_missed(x: torch.Tensor, filters: processing.RowFilters, batch,
                    row_req: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
                    y: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``y`` (the tokens of rows ``idx``) with the rows that :func:`_candidate_draw` did not
-    find drawn again by :func:`_draw_with_cut`, from their exact cut."""
+    find drawn again by :func:`_draw_with_cut`, from their exact cut (the search for it starts
+    at 256 candidates: these rows' survivors outnumber the 64 of the compiled call)."""
     paths.record("cpu.candidates_missed", int((~found).sum()))
     miss = idx[~found]
     if filters.has_cut:
@@ -1042,8 +1049,10 @@ def _redraw_missed(x: torch.Tensor, filters: processing.RowFilters, batch,
         cut = filters.select(miss, wide=True).cut()
     req = row_req[miss]
     y = y.clone()
+    # (always the function with the id rule: which one draws a missed row depends on the row
+    # alone, and a decode's warm-up compiles that one)
     y[~found] = _draw_with_cut(x[miss], filters.m[miss], cut, batch.temperature[req],
-                               _seeds(batch)[req], pos[miss])
+                               _seeds(batch)[req], pos[miss], id_rule=True)
     return y
 
 
