@@ -326,7 +326,7 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
-    if positions.device.type == "cpu" and bool((positions < 0).any()):
+    if positions.device.type == "cpu" and positions.numel() and int(positions.min()) < 0:
         # (checked for host tensors and lists only: a device tensor would need a sync)
         raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
     # (contiguous: the Triton kernels index positions by request without a stride)
