@@ -319,3 +319,28 @@ def test_seen_pairs_follow_append_and_in_place_changes():
     assert seen() == _seen_by_scan(batch) != stale
     batch.prompt_mask = torch.zeros_like(batch.prompt_mask)  # replaced
     assert seen() == _seen_by_scan(batch)
+
+
+def test_seen_pairs_stay_as_many_as_the_distinct_tokens():
+    """A decode loop's append() adds a token to seen_pairs only the first time it is
+    counted: after 200 steps of the same two tokens the pairs hold them once each."""
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=1,
+                                                      repetition_penalty=1.2)],
+                                      vocab_size=16, prompt_token_ids=[[3]])
+    batch.seen_pairs()
+    out = VerifyOutput(token_ids=torch.tensor([[5, 6]]), num_accepted=torch.tensor([1]),
+                       logprobs=None, logprob_token_ids=None, invalid=torch.tensor([False]))
+    for _ in range(200):
+        batch.append(out)
+    req, tok = batch.seen_pairs()
+    assert sorted(tok.tolist()) == [3, 5, 6] and req.tolist() == [0, 0, 0]
+
+
+def test_derived_tensors_follow_in_place_edits():
+    """The torch backend's stacked seeds (SamplingBatch.derived) follow an in-place edit of
+    seed_lo, so every draw of a call reads the same seeds."""
+    from specsample import torch_backend as tb
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=1)], vocab_size=16)
+    assert tb._seeds(batch)[0, 0] == batch.seed_lo[0]
+    batch.seed_lo.fill_(123)
+    assert tb._seeds(batch)[0, 0] == 123

@@ -258,18 +258,6 @@ def test_histogram_nucleus_does_not_depend_on_the_batch():
     assert int(_kept(x[3:], *alone).sum()) == 3
 
 
-@SETTINGS
-@given(case=case_st())
-def test_wide_search_gives_the_same_cut(case):
-    """The missed rows' search (``wide``: from 256 candidates, then the histogram of the row)
-    finds the cut of the search from 16 candidates, exactly."""
-    x, params, _style = case
-    f = _filters(x, params)
-    wide = processing.RowFilters(f.y, f.m, f.live, settings=f.settings, wide=True)
-    for got, want in zip(wide.cut(), f.cut()):
-        assert torch.equal(got, want)
-
-
 def _nucleus_rows(n: int, v: int, width: int) -> torch.Tensor:
     """Rows whose top_p 0.9 nucleus at T = 0.8 holds about ``width`` tokens (more than the
     64 candidates), the rest far below."""

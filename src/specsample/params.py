@@ -279,6 +279,14 @@ def _fit_width(tail: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(tail, (width - tail.shape[1], 0), value=-1)
 
 
+def _state_key(tensors) -> tuple | None:
+    """What changes when one of ``tensors`` is replaced or changed in place (their version
+    counters and addresses), or None for inference tensors (they keep no version)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple((t._version, t.data_ptr()) for t in tensors)
+
+
 @dataclass
 class SamplingBatch:
     """The batched, device-resident form of one ``SamplingParams`` per request.
@@ -408,32 +416,39 @@ class SamplingBatch:
         reps = dense[req, ids].to(torch.int64)
         return req.repeat_interleave(reps), ids.repeat_interleave(reps)
 
-    def derived(self, name: str, make):
-        """``make(self)``, made once per batch (outside inference mode) and kept under
-        ``name``: a backend's tensors derived from the per-request fields, such as stacked
-        seeds. Dropped when an attribute is set."""
+    def derived(self, name: str, make, *sources: torch.Tensor):
+        """``make(self)`` (made outside inference mode), kept under ``name`` while the
+        ``sources`` (the batch tensors it reads) are unchanged: a backend's tensors derived
+        from the per-request fields, such as stacked seeds. An attribute set, an in-place
+        change of a source, or sources that are inference tensors make it again."""
+        key = _state_key(sources)
         kept = self.__dict__.setdefault("_derived", {})
-        if name not in kept:
+        got = kept.get(name)
+        if got is None or key is None or got[0] != key:
             with torch.inference_mode(False):
-                kept[name] = make(self)
-        return kept[name]
+                got = kept[name] = (key, make(self))
+        return got[1]
 
-    def _seen_key(self) -> tuple:
-        oc, pm = self.output_counts, self.prompt_mask
-        return oc._version, pm._version, oc.data_ptr(), pm.data_ptr()
+    def _seen_key(self) -> tuple | None:
+        if self.output_counts.device.type != "cpu":
+            return None  # (a CUDA graph's replay of append() changes them unversioned)
+        return _state_key((self.output_counts, self.prompt_mask))
 
     def seen_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(request, token id) pairs [M] int64 of every recorded prompt and output token
         (``prompt_mask``, ``output_counts`` > 0): the tokens repetition_penalty touches, in
         no set order, a token possibly listed more than once. Found by one scan of the
-        [N, V] state (reading its size on the host) and kept while that state is unchanged;
-        on the CPU :meth:`append` extends the kept pairs with the tokens it counts, so a
-        decode loop never scans [N, V] again."""
+        [N, V] state (reading its size on the host); on the CPU kept while that state is
+        unchanged (in place or replaced), and :meth:`append` adds the tokens it counts for
+        the first time, so a decode loop never scans [N, V] again and the pairs stay about
+        as many as the distinct tokens. Off the CPU every call scans (a CUDA graph's replay
+        of append() changes the state without a trace)."""
+        key = self._seen_key()
         kept = self.__dict__.get("_seen")
-        if kept is not None and kept[0] == self._seen_key():
+        if key is not None and kept is not None and kept[0] == key:
             return kept[1], kept[2]
         req, tok = ((self.output_counts > 0) | self.prompt_mask).nonzero(as_tuple=True)
-        self.__dict__["_seen"] = (self._seen_key(), req, tok)
+        self.__dict__["_seen"] = (key, req, tok)
         return req, tok
 
     @property
@@ -625,14 +640,22 @@ class SamplingBatch:
             # integers in any order; no sort, capturable).
             flat = torch.arange(n, device=tok.device)[:, None] * self.vocab_size + tok.clamp_min(0)
             counted = emitted & penal[:, None]
+            key = self._seen_key()
             kept = self.__dict__.get("_seen")
-            kept = kept if kept is not None and kept[0] == self._seen_key() else None
+            if key is not None and kept is not None and kept[0] == key:  # (CPU)
+                # seen_pairs gains the tokens seen for the first time (the list stays as
+                # long as the distinct tokens, whatever the history length)
+                c = tok.clamp_min(0)
+                fresh = counted & (self.output_counts.view(-1)[flat] == 0) & ~(
+                    self.prompt_mask.view(-1)[flat])
+                req, j = fresh.nonzero(as_tuple=True)
+                new_pairs = (torch.cat([kept[1], req]), torch.cat([kept[2], c[req, j]]))
+            else:
+                new_pairs = None
             self.output_counts.view(-1).scatter_add_(0, flat.reshape(-1),
                                                      counted.to(torch.float32).reshape(-1))
-            if kept is not None and tok.device.type == "cpu":  # (seen_pairs, extended)
-                req, j = counted.nonzero(as_tuple=True)
-                self.__dict__["_seen"] = (self._seen_key(), torch.cat([kept[1], req]),
-                                          torch.cat([kept[2], tok[req, j]]))
+            if new_pairs is not None:
+                self.__dict__["_seen"] = (self._seen_key(), *new_pairs)
         width = self.context_tail.shape[1]
         if width:
             # The last W of (tail, emitted tokens): columns count .. count + W - 1.

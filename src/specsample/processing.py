@@ -215,8 +215,8 @@ class RowFilters:
     ``live`` [T] bool: the rows that are read (no cut is searched for on the others: they
     keep min_p's); ``plan``: the call's plan (the settings come from its batch), or
     ``settings``: :func:`filter_settings`' (min_cut, t64, top_k, k_on, top_p, p_on) with
-    ``as_cut``; ``wide``: the rows' top_p nuclei are known to be wide (the cut's search starts
-    at its widest round of candidates, :func:`_nucleus`)."""
+    ``as_cut``; ``wide``: the rows' top_p nuclei are known to be wide (the cut goes straight
+    to the histogram of the row, :func:`_nucleus`)."""
 
     def __init__(self, y: torch.Tensor, m: torch.Tensor, live: torch.Tensor,
                  plan: Plan | None = None, settings: tuple | None = None,
@@ -422,36 +422,20 @@ def _nucleus(masked: torch.Tensor, m: torch.Tensor, t64: torch.Tensor, top_p: to
     the decision is the exact one, else the total is recomputed in float64 from every
     survivor. Past ``NUCLEUS_CANDIDATES_MAX`` candidates (flat rows: a nucleus of thousands of
     tokens, where each round's top-k and sorts cost more than one pass over the row) the
-    cut comes from :func:`_nucleus_by_histogram` on CPU tensors, and at once where every
-    row's top_p mass (its estimate; with ``wide`` a lower bound from the row's first V / 8
-    tokens) exceeds that many maximal masses. ``wide``: the rows' nuclei
-    are known to hold more than tens of tokens: the search starts at
-    ``NUCLEUS_CANDIDATES_MAX`` candidates (a nucleus of up to 256 tokens, as a language
-    model's often holds, costs one round instead of the histogram of the row).
+    cut comes from :func:`_nucleus_by_histogram` on CPU tensors, and at once with ``wide``
+    (rows whose nucleus is known to hold more than tens of tokens).
     """
-    r, v = masked.shape
-    scale = (math.log2(math.e) / t64).float()[:, None]
     if wide and masked.device.type == "cpu":
-        # A lower bound of each row's total mass from its first V / 8 tokens (the float32
-        # terms' rounding is far inside the 1% margin): where top_p of it exceeds
-        # NUCLEUS_CANDIDATES_MAX maximal masses (1 each) in every row, no round of
-        # candidates can hold the boundary, and the row's own pass is skipped.
-        part = torch.exp2((masked[:, :max(1, v // 8)] - m[:, None]) * scale).sum(
-            -1, dtype=torch.float64)
-        if bool((0.99 * top_p * part > NUCLEUS_CANDIDATES_MAX).all()):
-            return _nucleus_by_histogram(masked, m, t64, top_p)
+        return _nucleus_by_histogram(masked, m, t64, top_p)
+    r, v = masked.shape
     m64, t = m.double()[:, None], t64[:, None]
     e32 = workspace.buffer("nucleus", tuple(masked.shape), torch.float32, masked.device)
-    torch.sub(masked, m[:, None], out=e32).mul_(scale)
+    torch.sub(masked, m[:, None], out=e32).mul_((math.log2(math.e) / t64).float()[:, None])
     e32.exp2_()
     total = block_total(e32)
     goals = (top_p[:, None] * total * (1 - NUCLEUS_TOTAL_TOL),
              top_p[:, None] * total * (1 + NUCLEUS_TOTAL_TOL))
-    if masked.device.type == "cpu" and bool((goals[0] > NUCLEUS_CANDIDATES_MAX).all()):
-        # every survivor's mass is at most 1 (the maximum's), so where top_p of the total
-        # exceeds NUCLEUS_CANDIDATES_MAX no round of candidates can hold the boundary
-        return _nucleus_by_histogram(masked, m, t64, top_p)
-    c = min(v, NUCLEUS_CANDIDATES_MAX if wide else 16)
+    c = min(v, 16)
     while True:
         cand_v, cand_i = _top_candidates(masked, c)
         order = torch.sort(cand_i, dim=-1).indices  # by id, then (stably) by value: rank order

@@ -940,7 +940,8 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFi
 
 def _seeds(batch) -> torch.Tensor:
     """[N, 2] int64 (seed_lo, seed_hi) of ``batch``'s requests (made once per batch)."""
-    return batch.derived("seeds", lambda b: torch.stack([b.seed_lo, b.seed_hi], 1))
+    return batch.derived("seeds", lambda b: torch.stack([b.seed_lo, b.seed_hi], 1),
+                         batch.seed_lo, batch.seed_hi)
 
 
 def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
@@ -1004,7 +1005,8 @@ def _request_args(batch, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
             return b.top_p.repeat(n_pad), req_i.repeat(n_pad, 1)
         return b.top_p, req_i
 
-    return batch.derived(f"request_args{n_pad}", make)
+    return batch.derived(f"request_args{n_pad}", make, batch.top_k, batch.top_p,
+                         batch.seed_lo, batch.seed_hi)
 
 
 _CANDIDATE_STREAMS = (rng.STREAM_SAMPLE, rng.STREAM_SAMPLE_TILE,
@@ -1101,7 +1103,8 @@ def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFil
             token_ids, num_accepted = _match_grid(y, rows_in, d_in)
     else:
         temperature, seeds = batch.derived("matched_rows_args", lambda b: tuple(
-            torch.cat([t, t]) if b.num_requests == 1 else t for t in (b.temperature, _seeds(b))))
+            torch.cat([t, t]) if b.num_requests == 1 else t for t in (b.temperature, _seeds(b))),
+            batch.temperature, batch.seed_lo, batch.seed_hi)
         x_, m_, req_, pos_, cut_v, cut_i = per_row
         token_ids, num_accepted = _call_cpu(
             "matched_rows", _matched_rows, x_, (m_, cut_v, cut_i, req_, pos_, temperature,
@@ -1140,7 +1143,7 @@ def _uniform_grid(n: int, k: int) -> torch.Tensor:
     """[N, K + 1] int64 CPU rows i (K + 1) + j of a uniform layout (made once per shape;
     read only)."""
     with torch.inference_mode(False):
-        return torch.arange(n * (k + 1)).view(n, k + 1)
+        return torch.arange(n * (k + 1)).view(n, k + 1).clone()  # (no _base)
 
 
 def _match_drafts(plan: Plan, y: torch.Tensor, invalid: torch.Tensor
