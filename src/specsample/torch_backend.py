@@ -939,7 +939,8 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFi
 
 
 def _seeds(batch) -> torch.Tensor:
-    """[N, 2] int64 (seed_lo, seed_hi) of ``batch``'s requests (made once per batch)."""
+    """[N, 2] int64 (seed_lo, seed_hi) of ``batch``'s requests (kept by the batch while they
+    are unchanged: ``SamplingBatch.derived``)."""
     return batch.derived("seeds", lambda b: torch.stack([b.seed_lo, b.seed_hi], 1),
                          batch.seed_lo, batch.seed_hi)
 
