@@ -89,8 +89,9 @@ def _candidate_cut(x: torch.Tensor, params: list[SamplingParams]):
     min_cut = (min_cut if min_cut is not None else torch.full((n,), -math.inf))[:, None]
     t = t64.float()[:, None]
     need_total = bool((p_on & ~k_on).any())
-    cand_v, cand_i, n_keep, found = tb._candidate_cut(x, f.m[:, None], t, min_cut, top_k,
-                                                      top_p, need_total)
+    scale = (math.log2(math.e) / t64).float()[:, None]
+    cand_v, cand_i, n_keep, found = tb._candidate_cut(x, f.m[:, None], t, min_cut, scale,
+                                                      top_k, top_p, need_total)
     got = torch.zeros(n, v, dtype=torch.bool)
     for r in range(n):
         got[r, cand_i[r, : int(n_keep[r, 0])]] = True
@@ -231,8 +232,8 @@ def test_law_check_has_power(monkeypatch):
     """The same test rejects a candidate draw that ignores top_p."""
     real = tb._candidate_cut
 
-    def no_top_p(x, m, t, min_cut, top_k, top_p, need_total):
-        return real(x, m, t, min_cut, top_k, torch.ones_like(top_p), need_total)
+    def no_top_p(x, m, t, min_cut, scale, top_k, top_p, need_total):
+        return real(x, m, t, min_cut, scale, top_k, torch.ones_like(top_p), need_total)
 
     monkeypatch.setattr(tb, "_candidate_cut", no_top_p)
     params = dataclasses.replace(LAW_CASES[1], seed=1234)

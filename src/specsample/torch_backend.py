@@ -407,31 +407,32 @@ def _candidate_draw(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draw of sampled rows with top_k or top_p (and maybe min_p) from their candidates,
     the cut found on the way (:func:`_candidate_cut`): ([R] int64 tokens, [R] bool found).
-    Per row: ``x`` [R, V] (the rows after bans, bias and penalties), ``row_f`` [R, 3] float32
-    = (finite maximum, temperature > 0, min_p's cut or -inf: :func:`_row_args`), ``row_req``
-    / ``row_pos`` [R] int64, ``live`` [R] bool (rows that are not live count as found:
-    nobody reads them); per request: ``top_p`` [N] float64 and ``req_i`` [N, 3] int64 =
+    Per row: ``x`` [R, V] (the rows after bans, bias and penalties), ``row_f`` [R, 4] float32
+    = (finite maximum, temperature > 0, min_p's cut or -inf, exp2 scale: :func:`_row_args`),
+    ``row_req`` / ``row_pos`` [R] int64, ``live`` [R] bool (rows that are not live count as
+    found: nobody reads them); per request: ``top_p`` [N] float64 and ``req_i`` [N, 3] int64 =
     (top_k, seed_lo, seed_hi). ``need_total`` as in :func:`_candidate_cut`.
 
     A found row's token is drawn by the three levels of :func:`tiled_gumbel_argmax`, the tile
-    level's masses summed from the survivors alone (float64 ``exp((y - m) / T)``: no second
-    pass over the row), the lower two from the chosen tile's values with the cut applied.
-    The caller draws the rows that were not found from the cut of ``processing.filter_cut``."""
+    level's masses summed from the survivors alone (float64 ``exp((y - m) / T)``, added into
+    their tiles in rank order by one ``scatter_add``: no second pass over the row), the lower
+    two from the chosen tile's values with the cut applied. The caller draws the rows that
+    were not found from the cut of ``processing.filter_cut``."""
     v = x.shape[1]
     m, t = row_f[:, 0:1], row_f[:, 1:2]
     i = req_i[row_req]
     k = i[:, 0:1]
     cand_v, cand_i, n_keep, found = _candidate_cut(
-        x, m, t, row_f[:, 2:3], torch.where((k > 0) & (k < v), k, v), top_p[row_req][:, None],
-        need_total)
+        x, m, t, row_f[:, 2:3], row_f[:, 3:4], torch.where((k > 0) & (k < v), k, v),
+        top_p[row_req][:, None], need_total)
     cut_v, cut_i = cand_v.gather(1, n_keep - 1), cand_i.gather(1, n_keep - 1)
     # The tile level from the survivors' float64 masses (the candidates ranked < n_keep).
     rank = torch.arange(cand_v.shape[1], device=x.device)[None, :]
     mass = torch.where(rank < n_keep, torch.exp((cand_v.double() - m.double()) / t.double()),
                        0.0)
-    tiles = torch.arange((v + rng.TILE - 1) // rng.TILE, device=x.device)
-    in_tile = (cand_i // rng.TILE)[:, :, None] == tiles[None, None, :]
-    tile_lse = torch.log(torch.where(in_tile, mass[:, :, None], 0.0).sum(1))
+    tile_sum = torch.zeros(x.shape[0], (v + rng.TILE - 1) // rng.TILE, dtype=torch.float64,
+                           device=x.device)
+    tile_lse = torch.log(tile_sum.scatter_add(1, cand_i // rng.TILE, mass))
     read = _row_reader(x)
 
     def values(tok: torch.Tensor) -> torch.Tensor:  # (z' at the draw's ids)
@@ -444,14 +445,16 @@ def _candidate_draw(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
 
 
 def _candidate_cut(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, min_cut: torch.Tensor,
-                   top_k: torch.Tensor, top_p: torch.Tensor, need_total: bool
+                   scale: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   need_total: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The filter cut of ``processing.filter_cut`` (min_p -> top_k -> top_p) of rows ``x``
     [R, V] from their ``CANDIDATES`` largest values: (values [R, C] float32 and ids [R, C]
     int64 of the candidates in rank order (value, then lower id), [R, 1] int64 how many of
     them the row keeps (its survivors), [R, 1] bool found). Per row [R, 1]: ``m`` float32
     finite maximum, ``t`` float32 temperature > 0, ``min_cut`` float32 (keep ``x >=`` it;
-    -inf: off), ``top_k`` int64 (V or more: off), ``top_p`` float64 (1: off).
+    -inf: off), ``scale`` float32 ``log2(e) / t`` (:func:`_row_args`), ``top_k`` int64 (V or
+    more: off), ``top_p`` float64 (1: off).
     ``need_total``: some row has top_p without top_k, so its total mass is estimated from
     the whole row (float32 blocks of 16 in the candidates' pass, bound
     ``processing.NUCLEUS_TOTAL_TOL``).
@@ -467,7 +470,7 @@ def _candidate_cut(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, min_cut: t
     r, v = x.shape
     c = min(CANDIDATES, v)
     cand_v, cand_i, row_mass = _candidates(
-        x, min_cut, c, (m, (math.log2(math.e) / t.double()).float()) if need_total else None)
+        x, min_cut, c, (m, scale) if need_total else None)
     rank = torch.arange(c, device=x.device)[None, :]
     v_min = cand_v[:, -1:]
     # every survivor of min_p is a candidate, or only those above the smallest one's value
@@ -979,11 +982,11 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
 
 def _row_args(batch, row_req: torch.Tensor, m: torch.Tensor, t: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """[R] -> [R, 3] float32 per-row arguments of :func:`_candidate_draw`: (``m`` the finite
+    """[R] -> [R, 4] float32 per-row arguments of :func:`_candidate_draw`: (``m`` the finite
     maxima, the temperature ``t`` (default: the rows' requests'), min_p's cut as
-    ``processing.filter_settings`` makes it, or -inf). (Made here, not in the compiled
-    function: Inductor would compute a value derived there from the request index again for
-    every element of the row.)"""
+    ``processing.filter_settings`` makes it, or -inf, the exp2 scale ``log2(e) / t``). (Made
+    here, not in the compiled function: Inductor would compute a value derived there from
+    the request index, or a division, again for every element of the row.)"""
     t = batch.temperature[row_req] if t is None else t
     if batch.rank_filters[2]:
         min_p = batch.min_p[row_req]
@@ -993,7 +996,7 @@ def _row_args(batch, row_req: torch.Tensor, m: torch.Tensor, t: torch.Tensor | N
         cut = torch.where(on, cut, -math.inf)
     else:
         cut = torch.full_like(m, -math.inf)
-    return torch.stack([m, t, cut], 1)
+    return torch.stack([m, t, cut, (math.log2(math.e) / t.double()).float()], 1)
 
 
 def _request_args(batch, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
