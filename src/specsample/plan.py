@@ -59,6 +59,16 @@ class Plan:
     layout_err: torch.Tensor | None = None  # [N] int64 ERR_NUM_DRAFT_TOKENS bits (device layout)
 
     @functools.cached_property
+    def draft_id_range(self) -> tuple[int, int] | None:
+        """(smallest, largest) draft id, read on the host by one reduction when the drafts
+        are CPU tensors; None off the CPU (reading would synchronise) or without drafts."""
+        d = self.draft_token_ids
+        if d.numel() == 0 or d.device.type != "cpu":
+            return None
+        lo, hi = torch.aminmax(d)
+        return int(lo), int(hi)
+
+    @functools.cached_property
     def placeholder_free(self) -> bool:
         """True when the host knows that the layout comes from host k_i and no draft is a
         placeholder (-1): then k_eff is k_given and every row is live. The drafts are read
@@ -67,7 +77,10 @@ class Plan:
         d = self.draft_token_ids
         if self.num_draft is None:
             return False
-        return d.numel() == 0 or (d.device.type == "cpu" and not bool((d == -1).any()))
+        if d.numel() == 0:
+            return True
+        ids = self.draft_id_range
+        return ids is not None and (ids[0] >= 0 or not bool((d == -1).any()))
 
     @functools.cached_property
     def uniform(self) -> bool:

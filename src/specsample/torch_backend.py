@@ -82,11 +82,8 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
                                ERR_LOGITS_NO_FINITE)
     if plan.draft_token_ids.numel():
         d = plan.draft_token_ids
-        lo_hi = torch.aminmax(d) if on_cpu else None  # (one host read on CPU)
-        lo = lo_hi.min.item() if on_cpu else -1
-        if lo >= 0 and plan.num_draft is not None:  # (no placeholder: Plan.placeholder_free
-            plan.__dict__["placeholder_free"] = True  # known without its own pass)
-        if not on_cpu or lo < 0 or lo_hi.max.item() >= plan.vocab_size:
+        ids = plan.draft_id_range  # (CPU drafts: one host read, which placeholder_free shares)
+        if ids is None or ids[0] < 0 or ids[1] >= plan.vocab_size:
             bad_id = (d < 0) | (d >= plan.vocab_size)
             err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
         if plan.draft_logits is not None:
