@@ -645,11 +645,10 @@ class SamplingBatch:
             if key is not None and kept is not None and kept[0] == key:  # (CPU)
                 # seen_pairs gains the tokens seen for the first time (the list stays as
                 # long as the distinct tokens, whatever the history length)
-                c = tok.clamp_min(0)
                 fresh = counted & (self.output_counts.view(-1)[flat] == 0) & ~(
                     self.prompt_mask.view(-1)[flat])
                 req, j = fresh.nonzero(as_tuple=True)
-                new_pairs = (torch.cat([kept[1], req]), torch.cat([kept[2], c[req, j]]))
+                new_pairs = (torch.cat([kept[1], req]), torch.cat([kept[2], tok[req, j]]))
             else:
                 new_pairs = None
             self.output_counts.view(-1).scatter_add_(0, flat.reshape(-1),

@@ -1042,8 +1042,9 @@ def _redraw_missed(x: torch.Tensor, filters: processing.RowFilters, batch,
                    row_req: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
                    y: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     """``y`` (the tokens of rows ``idx``) with the rows that :func:`_candidate_draw` did not
-    find drawn again by :func:`_draw_with_cut`, from their exact cut (the search for it starts
-    at 256 candidates: these rows' survivors outnumber the 64 of the compiled call)."""
+    find drawn again by :func:`_draw_with_cut`, from their exact cut (the filters' own if already
+    made, else made as for wide nuclei, top_p's straight from a histogram of the row: these
+    rows' survivors mostly outnumber the 64 candidates of the compiled call)."""
     paths.record("cpu.candidates_missed", int((~found).sum()))
     miss = idx[~found]
     if filters.has_cut:
