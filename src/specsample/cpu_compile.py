@@ -24,7 +24,18 @@ variant is a logits dtype together with the kind of tensor (inference tensors, m
 rows' filter cuts split tie groups); each variant has its own compiled function, so a
 process that mixes them does not run into torch.compile's limit of 8 recompilations per
 function. Each costs 20-45 s on an empty Inductor cache on 2 cores.
-A tensor dimension of size 1 would be specialised by ``torch.compile``: callers pad those.
+A tensor dimension of size 1 would be specialised by ``torch.compile``: callers pad those,
+except the rows of a function called with ``pad`` (its tensors lead with the rows): such a
+function is compiled with size-oblivious sizes (``backed_size_oblivious``), from a call of two
+rows or more (a one-row call before that goes padded to two), and a call of one row then runs
+that same graph, so a row's result is the same alone as in a batch. The first one-row call
+at a vocabulary size runs with torch.compile's ``error_on_recompile``, so that a graph for
+one row is never compiled: where the guards refuse one row (Inductor guards some graphs on
+two rows or more), one row goes padded at that size (path ``cpu.one_row_padded.<name>``).
+The settings these calls make (duck sizing off, size-oblivious sizes for row functions, and
+that first call's ``error_on_recompile``) are process-wide while a compiled call runs: the
+calls run one at a time, under a lock, and a ``torch.compile`` of other code in another
+thread at that moment compiles under them.
 
 Paths (``specsample.paths``), counted per call with the rows it handled:
 
@@ -32,6 +43,9 @@ Paths (``specsample.paths``), counted per call with the rows it handled:
 * ``cpu.eager.<name>``: compilation is switched off (:func:`disabled`, or the environment
   variable ``SPECSAMPLE_CPU_COMPILE=0`` read at import), or a tensor argument needs a
   gradient (never from the torch backend, which passes detached tensors);
+* ``cpu.one_row_padded.<name>``: a one-row call that no compiled graph took (see above),
+  run padded; that function's one-row calls at that vocabulary size are padded from then
+  on;
 * ``cpu.compile_failed.<name>``: compiling failed (for example no C++ compiler on the
   machine); the call ran eagerly, a ``RuntimeWarning`` names the error once per variant,
   and later calls of that variant run eagerly (and count here). :func:`failures` lists the
@@ -49,6 +63,8 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+import torch._dynamo.config as _dynamo_config
+import torch._dynamo.utils
 import torch.fx.experimental._config as _fx_config
 
 from . import paths
@@ -61,6 +77,12 @@ _off: contextvars.ContextVar[bool] = contextvars.ContextVar("specsample_cpu_comp
 _lock = threading.Lock()
 _compiled: dict[str, Callable] = {}
 _failed: dict[str, str] = {}
+_settings_lock = threading.Lock()
+#: Whether this torch has size-oblivious sizes (without them one row always goes padded).
+_OBLIVIOUS = hasattr(_fx_config, "backed_size_oblivious")
+_many_rows: set[str] = set()  # row functions compiled from a call of two rows or more
+_one_row_sizes: set[tuple[str, int]] = set()  # (function, V): one row ran the graph for many
+_padded_rows: set[tuple[str, int]] = set()  # (function, V): one row goes padded
 
 
 @contextlib.contextmanager
@@ -92,14 +114,61 @@ def _compiled_fn(key: str, fn: Callable) -> Callable:
         return c
 
 
-def call(name: str, fn: Callable, *args, rows: int, variant: tuple = ()):
+def _graphs() -> int:
+    """How many graphs torch.compile has compiled in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _direct(key: str, fn: Callable, args: tuple, pad: Callable[[tuple], tuple]
+            ) -> tuple[object, bool]:
+    """(``fn(*args)`` of one row through the graph compiled for many, whether one row is
+    refused). The first such call at a vocabulary size runs with torch.compile's
+    ``error_on_recompile``: if no compiled graph takes one row, it raises instead of compiling
+    one (a graph for one row, which later calls of more rows could also pick, and whose sums
+    could round otherwise), and one row goes padded at that size from then on. A later call
+    that compiles all the same (not expected: the guards it meets are the first call's) is
+    made again padded, and so are the later ones."""
+    c = _compiled_fn(key, fn)
+    size = (key, args[0].shape[1])
+    graphs = _graphs()
+    if size in _one_row_sizes:
+        out = c(*args)
+        if _graphs() == graphs:
+            return out, False
+    else:
+        no_recompile = _dynamo_config.error_on_recompile
+        _dynamo_config.error_on_recompile = True
+        try:
+            out = c(*args)
+        except torch._dynamo.exc.RecompileError:
+            out = None
+        finally:
+            _dynamo_config.error_on_recompile = no_recompile
+        if out is not None and _graphs() == graphs:
+            with _lock:
+                _one_row_sizes.add(size)
+            return out, False
+    with _lock:
+        _padded_rows.add(size)
+    return c(*pad(args)), True
+
+
+def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
+         pad: Callable[[tuple], tuple] | None = None):
     """``fn(*args)``, compiled on the CPU (see the module docstring); counts the path
     ``cpu.<compiled|eager|compile_failed>.<name>`` with ``rows`` rows. ``fn`` must be a pure
     function of its tensor arguments (the compiled and eager results are the same function),
     and the tensors must be on one device: only CPU calls are counted or compiled. The
     compiled run has gradients off. ``variant``: what the arguments' guards differ by between
     calls besides shapes (a dtype, inference tensors or not): each variant is compiled apart,
-    so that a process mixing them does not exhaust torch.compile's recompilation limit."""
+    so that a process mixing them does not exhaust torch.compile's recompilation limit.
+    ``pad``: given for a function whose leading arguments have ``rows`` as their first
+    dimension and whose other dimensions do not change between calls (the caller marks the
+    widths of 2-D arguments static; x's vocabulary stays dynamic): ``pad(args)`` repeats the
+    one row of each leading argument to two, and the caller reads the first ``rows`` rows of
+    the result (one-row calls go padded until the function has been compiled from a call of
+    more rows, and where the compiled graph refuses one row: :func:`_direct`).
+    Compiled calls run one at a time (the settings they make are process-wide)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if tensors[0].device.type != "cpu":
         return fn(*args)
@@ -111,24 +180,46 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = ()):
     if key in _failed:
         paths.record(f"cpu.compile_failed.{name}", rows)
         return fn(*args)
-    duck = _fx_config.use_duck_shape
-    try:
-        # (no duck sizing: two arguments' dimensions that happen to be equal in the call that
-        # compiles, e.g. 2 requests and 2 drafts, would get one symbol, and every later call
-        # where they differ would compile again; the setting is read only when compiling)
-        _fx_config.use_duck_shape = False
-        with torch.no_grad():
-            out = _compiled_fn(key, fn)(*args)
-    except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)
-        out = fn(*args)  # (an error of the function itself raises here, as it would eagerly)
-        with _lock:
-            _failed[key] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"specsample: torch.compile of {key!r} failed, so it runs eagerly "
-                      f"(slower; path cpu.compile_failed.{name}): {type(exc).__name__}: "
-                      f"{str(exc)[:300]}", RuntimeWarning, stacklevel=2)
-        paths.record(f"cpu.compile_failed.{name}", rows)
-        return out
-    finally:
-        _fx_config.use_duck_shape = duck
+    one_row = pad is not None and rows == 1
+    direct = (one_row and _OBLIVIOUS and key in _many_rows
+              and (key, args[0].shape[1]) not in _padded_rows)
+    refused = False
+    if one_row and not direct:
+        args = pad(args)
+    # (the settings are process-wide: one compiled call at a time, so that two threads never
+    # restore each other's values)
+    with _settings_lock:
+        duck = _fx_config.use_duck_shape
+        oblivious = _fx_config.backed_size_oblivious if _OBLIVIOUS else False
+        try:
+            # (no duck sizing: two arguments' dimensions that happen to be equal in the call
+            # that compiles, e.g. 2 requests and 2 drafts, would get one symbol, and every
+            # later call where they differ would compile again; size-oblivious sizes for row
+            # functions: a graph compiled for many rows that also serves one; both are read
+            # when compiling)
+            _fx_config.use_duck_shape = False
+            if _OBLIVIOUS:
+                _fx_config.backed_size_oblivious = pad is not None
+            with torch.no_grad():
+                out, refused = _direct(key, fn, args, pad) if direct else (
+                    _compiled_fn(key, fn)(*args), False)
+            if pad is not None and not direct and key not in _many_rows:
+                with _lock:  # (compiled from two rows or more: a graph for every row count)
+                    _many_rows.add(key)
+        except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)
+            out = fn(*args)  # (an error of the function itself raises here, as eagerly)
+            with _lock:
+                _failed[key] = f"{type(exc).__name__}: {exc}"[:2000]
+            warnings.warn(f"specsample: torch.compile of {key!r} failed, so it runs eagerly "
+                          f"(slower; path cpu.compile_failed.{name}): {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", RuntimeWarning, stacklevel=2)
+            paths.record(f"cpu.compile_failed.{name}", rows)
+            return out
+        finally:
+            _fx_config.use_duck_shape = duck
+            if _OBLIVIOUS:
+                _fx_config.backed_size_oblivious = oblivious
+    if refused:
+        paths.record(f"cpu.one_row_padded.{name}", rows)
     paths.record(f"cpu.compiled.{name}", rows)
     return out

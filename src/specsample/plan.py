@@ -65,6 +65,9 @@ class Plan:
         d = self.draft_token_ids
         if d.numel() == 0 or d.device.type != "cpu":
             return None
+        if d.numel() <= 64:  # (a few drafts: a host list costs less than a reduction)
+            ids = d.tolist()
+            return min(ids), max(ids)
         lo, hi = torch.aminmax(d)
         return int(lo), int(hi)
 
@@ -137,7 +140,10 @@ class Plan:
 
     @functools.cached_property
     def row_live(self) -> torch.Tensor:
-        """[T] bool: the row is read (j <= k_eff of its request)."""
+        """[T] bool: the row is read (j <= k_eff of its request). Read only: CPU rows
+        without placeholders share one tensor per row count."""
+        if self.placeholder_free and self.logits.device.type == "cpu":  # (every row live)
+            return _all_live(self.num_rows)
         return self.row_j <= self.k_eff[self.row_req]
 
     @functools.cached_property
@@ -167,6 +173,14 @@ class Plan:
         rows = (self.row_start[self.draft_req][:, None] + later)[ok]
         toks = self.draft_token_ids[:, None].expand_as(later)[ok]
         return rows, toks
+
+
+@functools.lru_cache(maxsize=64)
+def _all_live(num_rows: int) -> torch.Tensor:
+    """[T] bool CPU tensor, every entry True (:attr:`Plan.row_live` of CPU rows without
+    placeholders; read only)."""
+    with torch.inference_mode(False):
+        return torch.ones(num_rows, dtype=torch.bool)
 
 
 @functools.lru_cache(maxsize=256)
@@ -339,7 +353,8 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
-    if positions.device.type == "cpu" and positions.numel() and int(positions.min()) < 0:
+    if positions.device.type == "cpu" and positions.numel() and (
+            min(positions.tolist()) if positions.numel() <= 64 else int(positions.min())) < 0:
         # (checked for host tensors and lists only: a device tensor would need a sync)
         raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
     # (contiguous: the Triton kernels index positions by request without a stride)

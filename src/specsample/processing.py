@@ -562,19 +562,21 @@ def _top_candidates(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor
     return top_v, cols.gather(1, at).clamp_max(v - 1)  # (padding: -inf values)
 
 
-def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, RowFilters | None]:
+def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None = None,
+               finite: bool = False) -> tuple[torch.Tensor, torch.Tensor, RowFilters | None]:
     """What the processed logits of ``plan``'s rows are made of: (``y`` [T, V], the rows after
     bans (-inf), logit bias and penalties; ``m`` [T] float32, their maxima, NaN / +-inf
     included; the rows' :class:`RowFilters` (the cut of :func:`filter_cut`, computed when
     asked for), or None). ``row_max``: [T] max of the raw rows if the caller has it; without
     bans, logit bias or penalties ``y`` is then the raw logits themselves (any float dtype:
-    no float32 copy) and ``m`` is ``row_max``."""
+    no float32 copy) and ``m`` is ``row_max``. ``finite``: every entry of ``row_max`` is
+    known finite."""
     batch: SamplingBatch = plan.batch
     if row_max is not None and not (batch.needs_bias or batch.needs_penalties
                                     or batch.needs_bans):
         y, m = plan.logits, row_max.float()
     else:
+        finite = False
         y = plan.logits.float().clone() if plan.logits.dtype == torch.float32 else (
             plan.logits.float())
         apply_bans(y, plan)
@@ -582,7 +584,8 @@ def row_inputs(plan: Plan, *, filters: bool = True, row_max: torch.Tensor | None
         m = y.amax(dim=-1)
     filt = None
     if filters and batch.needs_filter:
-        filt = row_filters(y, torch.where(torch.isfinite(m), m, torch.zeros_like(m)), plan)
+        filt = row_filters(y, m if finite else torch.where(torch.isfinite(m), m,
+                                                           torch.zeros_like(m)), plan)
     return y, m, filt
 
 

@@ -250,7 +250,9 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor
         (), stream, dtype=torch.int64, device=position.device)
     w0, w1 = philox(counter & MASK32, position & MASK32, (position >> 32) & MASK32, c3,
                     seed_lo, seed_hi)
-    return (((w0 >> 6) << 26) + (w1 >> 6)).to(torch.float64).add_(0.5).mul_(UNIFORM_SCALE)
+    # (2.0**-52 is UNIFORM_SCALE: torch.compile would make the module's float an input of
+    # the graph, a tensor made at every call)
+    return (((w0 >> 6) << 26) + (w1 >> 6)).to(torch.float64).add_(0.5).mul_(2.0**-52)
 
 
 def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor,

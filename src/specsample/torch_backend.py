@@ -11,6 +11,7 @@ residual draw on at most one row per request.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -65,6 +66,12 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     the max, and a row with no finite value has max -inf. ``row_max``: that [T] max, if the
     caller has it.
     """
+    return _request_errors(plan, row_max)[0]
+
+
+def _request_errors(plan: Plan, row_max: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """(:func:`request_errors`, True when the host knows the bitmask is all 0 without reading
+    it: CPU rows whose maxima are finite, drafts in range, no draft distribution)."""
     n = plan.num_requests
     mx = plan.logits.amax(dim=-1) if row_max is None else row_max
     # (on CPU a host read costs nothing: the per-request scatters only run when some value
@@ -72,7 +79,8 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
     on_cpu = mx.device.type == "cpu"
     # (a finite sum of the maxima: every one is finite; a sum that overflows takes the
     # per-request test, which finds nothing)
-    if on_cpu and math.isfinite(mx.sum(dtype=torch.float32).item()):
+    known = on_cpu and math.isfinite(mx.sum(dtype=torch.float32).item())
+    if known:
         err = torch.zeros(n, dtype=torch.int64)
     else:
         live = plan.row_live
@@ -84,8 +92,11 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
         d = plan.draft_token_ids
         ids = plan.draft_id_range  # (CPU drafts: one host read, which placeholder_free shares)
         if ids is None or ids[0] < 0 or ids[1] >= plan.vocab_size:
+            known = False
             bad_id = (d < 0) | (d >= plan.vocab_size)
             err |= _or_per_request(bad_id & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ID)
+        if plan.has_draft_dist:
+            known = False
         if plan.draft_logits is not None:
             dmx = plan.draft_logits.amax(-1)
             bad = torch.isnan(dmx) | torch.isinf(dmx)
@@ -94,14 +105,16 @@ def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Ten
             q = plan.draft_probs
             bad = (~torch.isfinite(q) | (q < 0)).any(-1) | (q.float().sum(-1) <= 0)
             err |= _or_per_request(bad & plan.draft_live, plan.draft_req, n, ERR_DRAFT_ROW)
-    return err
+    return err, known
 
 
 def _tile_sums(e: torch.Tensor) -> torch.Tensor:
     """[R, NT] sums of each ``rng.TILE``-wide vocabulary tile of ``e`` [R, V]."""
     r, v = e.shape
     full = v // rng.TILE
-    parts = [e[:, :full * rng.TILE].view(r, full, rng.TILE).sum(-1)] if full else []
+    # (unfold, not view: a view of the sliced rows would check their strides, which
+    # torch.compile turns into a guard on the number of rows)
+    parts = [e[:, :full * rng.TILE].unfold(1, rng.TILE, rng.TILE).sum(-1)] if full else []
     if v % rng.TILE:
         parts.append(e[:, full * rng.TILE:].sum(-1, keepdim=True))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
@@ -171,34 +184,51 @@ def tiled_gumbel_argmax(z: torch.Tensor, tile_lse: torch.Tensor | None, seed_lo:
     if tile_lse is None:
         tile_lse = tile_logsumexp(z)
     return _call_rows("draw", _draw, z, (tile_lse, torch.stack([seed_lo, seed_hi, pos], 1)),
-                      token_stream, tile_stream)
+                      token_stream, tile_stream, fixed_widths=False)
+
+
+def _normal_tensors():
+    """A context in which new tensors are normal ones (not inference tensors, which
+    torch.compile guards apart): ``torch.inference_mode(False)`` where inference mode is on
+    (entering it costs microseconds a call)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else (
+        contextlib.nullcontext())
 
 
 def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int,
-               tile_stream: int, *flags: bool) -> torch.Tensor:
+               tile_stream: int, *flags: bool, fixed_widths: bool = True) -> torch.Tensor:
     """``fn(x, *per_row, streams, *flags)`` through ``cpu_compile.call`` for the R rows of
-    ``x`` [R, V] (``per_row``: tensors whose first dimension is R; ``streams``: the token, tile
-    and sub-tile streams; ``flags``: bools, each value compiled apart). On the CPU the streams
-    go as a tensor (torch.compile would specialise their values), and one row goes twice:
-    compiled shapes are dynamic except for sizes of 1. Returns ``fn``'s [R] result."""
-    r = x.shape[0]
+    ``x`` [R, V] (``per_row``: tensors whose first dimension is R; ``streams``: the token,
+    tile and sub-tile streams; ``flags``: bools, each value compiled apart). On the CPU the
+    streams go as a tensor (torch.compile would specialise their values). With
+    ``fixed_widths`` (every 2-D tensor of ``per_row`` has a width that no call changes) one
+    row runs the graph compiled for many (``_call_cpu``'s ``row_args``); else one row goes
+    padded to two. Returns ``fn``'s [R] result."""
     streams = (token_stream, tile_stream, rng.sub_stream(tile_stream))
+    r = x.shape[0]
     if x.device.type != "cpu":
         return cpu_compile.call(name, fn, x, *per_row, streams, *flags, rows=r)
-    if r == 1:
-        with torch.inference_mode(False):
-            x, *per_row = (torch.cat([t, t]) for t in (x, *per_row))  # (cat: a fraction of repeat)
-    return _call_cpu(name, fn, x, per_row, streams, flags)[:r]
+    if fixed_widths:
+        y = _call_cpu(name, fn, x, per_row, streams, flags, row_args=len(per_row))
+    else:  # (compiled shapes are dynamic except for sizes of 1: the row goes twice)
+        if r == 1:
+            x, *per_row = _two_rows(len(per_row) + 1, (x, *per_row), widths=False)
+        y = _call_cpu(name, fn, x, per_row, streams, flags)
+    return y if y.shape[0] == r else y[:r]  # (a padded row's result)
 
 
 def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags: tuple,
-              tags: tuple = ()):
+              tags: tuple = (), row_args: int | None = None):
     """``cpu_compile.call(name, fn, x, *args, streams, *flags)`` on CPU tensors, counted with
     x's rows; ``args`` may hold None. torch.compile guards on each tensor's kind (inference
     tensor or not): the small tensors are made normal ones, the logits' kind and dtype name a
     compiled variant, as do the flags that are set and the caller's ``tags`` (names of what
-    else makes a different graph, such as None arguments)."""
-    with torch.inference_mode(False):
+    else makes a different graph, such as None arguments). ``row_args``: the first
+    ``row_args`` of ``args`` lead with x's rows, and the second dimension of every 2-D
+    argument is a fixed width (marked static), so that one row runs the graph compiled for
+    many (``cpu_compile.call``'s ``pad``); the caller reads the first R rows of the
+    result."""
+    with _normal_tensors():
         # (contiguous, and without a _base: torch.compile would guard on the base's shape)
         x, *args = (t if t is None or (t._base is None and not t.requires_grad
                                        and t.is_contiguous() and (t is x or not t.is_inference()))
@@ -206,8 +236,33 @@ def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags
                           ).contiguous().detach() for t in (x, *args))
     variant = (str(x.dtype).removeprefix("torch."), "inference" if x.is_inference() else "",
                *(f"flag{i}" for i, f in enumerate(flags) if f), *tags)
+    pad = None
+    if row_args is not None:
+        _static_widths(args)
+        pad = functools.partial(_two_rows, row_args + 1)
     return cpu_compile.call(name, fn, x, *args, _streams_tensor(streams), *flags,
-                            rows=x.shape[0], variant=tuple(v for v in variant if v))
+                            rows=x.shape[0], variant=tuple(v for v in variant if v), pad=pad)
+
+
+def _two_rows(n: int, args: tuple, widths: bool = True) -> tuple:
+    """``args`` with each of the first ``n`` (x [1, V] first, then tensors of one row)
+    repeated to two rows, x still an inference tensor if it was one (cat: a fraction of
+    repeat's cost); ``widths``: the repeated 2-D tensors' widths marked static."""
+    x = args[0]
+    with torch.inference_mode(x.is_inference()):
+        x = torch.cat([x, x])
+    with _normal_tensors():
+        rows = tuple(t if t is None else torch.cat([t, t]) for t in args[1:n])
+    return (x, *(_static_widths(rows) if widths else rows), *args[n:])
+
+
+def _static_widths(args):
+    """``args``, with the second dimension of each 2-D tensor marked static for torch.compile
+    (a graph compiled with size-oblivious sizes must not slice symbolic widths)."""
+    for t in args:
+        if t is not None and t.dim() > 1:
+            torch._dynamo.mark_static(t, 1)
+    return args
 
 
 _STREAMS: dict[tuple, torch.Tensor] = {}
@@ -219,6 +274,7 @@ def _streams_tensor(streams: tuple) -> torch.Tensor:
     if t is None:
         with torch.inference_mode(False):
             t = _STREAMS[streams] = torch.tensor(streams, dtype=torch.int64)
+        torch._dynamo.mark_static(t, 0)
     return t
 
 
@@ -268,18 +324,28 @@ def _gumbel_levels(tile_lse: torch.Tensor, values, rng_keys: torch.Tensor, strea
     return tok.gather(1, keys.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def _processed_rows(x: torch.Tensor, row_f: torch.Tensor, row_i: torch.Tensor, streams,
-                    ties: bool) -> torch.Tensor:
+def _same_rows(x: torch.Tensor, *per_row: torch.Tensor) -> None:
+    """Tells torch.compile that every tensor of ``per_row`` has x's rows (their sizes are
+    symbols of their own; without it, broadcasting one against another guards on the size,
+    and a graph compiled for many rows would refuse one)."""
+    for t in per_row:
+        torch._check(t.shape[0] == x.shape[0])
+
+
+def _processed_rows(x: torch.Tensor, m: torch.Tensor, pos: torch.Tensor, row_f: torch.Tensor,
+                    row_i: torch.Tensor, streams, ties: bool) -> torch.Tensor:
     """[R] int64: the draw of :func:`tiled_gumbel_argmax` from the processed logits of each
     row, made on the fly from ``x`` [R, V] (the rows after bans, bias and penalties:
-    ``processing.row_inputs``) and per row (two tensors, so that a call has few arguments to
-    copy and guard): ``row_f`` [R, 3] float32 = (maximum of the row (non-finite: 0, as
-    ``processing.process_rows``), temperature (T = 0: divide by 1; the caller takes those
-    rows' argmax), cut_v), ``row_i`` [R, 4] int64 = (cut_i, seed_lo, seed_hi, pos); see
-    :func:`_draw_processed`. Compiled (``cpu_compile``): the rows are read once and z' is
-    never stored."""
-    cut = (row_f[:, 2:3], row_i[:, 0:1].float())
-    return _draw_processed(x, row_f[:, 0:1], row_f[:, 1:2], cut, row_i[:, 1:], streams, ties)
+    ``processing.row_inputs``), ``m`` [R] float32 the rows' maxima (non-finite: 0, as
+    ``processing.process_rows``), ``pos`` [R] int64 their positions, and per row ``row_f``
+    [R, 2] float32 = (temperature (T = 0: divide by 1; the caller takes those rows' argmax),
+    cut_v), ``row_i`` [R, 3] int64 = (cut_i, seed_lo, seed_hi) (a batch keeps these two while
+    its requests do not change); see :func:`_draw_processed`. Compiled (``cpu_compile``): the
+    rows are read once and z' is never stored."""
+    _same_rows(x, m, pos, row_f, row_i)
+    cut = (row_f[:, 1:2], row_i[:, 0:1].float())
+    keys = torch.cat([row_i[:, 1:], pos[:, None]], 1)
+    return _draw_processed(x, m[:, None], row_f[:, 0:1], cut, keys, streams, ties)
 
 
 def _draw_processed(x: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor,
@@ -398,14 +464,15 @@ def _rank_top(vals: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor, c: int
     return vals.gather(1, at), ids.gather(1, at)
 
 
-def _candidate_draw(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
-                    row_pos: torch.Tensor, live: torch.Tensor, top_p: torch.Tensor,
-                    req_i: torch.Tensor, streams, need_total: bool
+def _candidate_draw(x: torch.Tensor, m: torch.Tensor, row_f: torch.Tensor,
+                    row_req: torch.Tensor, row_pos: torch.Tensor, live: torch.Tensor,
+                    top_p: torch.Tensor, req_i: torch.Tensor, streams, need_total: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draw of sampled rows with top_k or top_p (and maybe min_p) from their candidates,
     the cut found on the way (:func:`_candidate_cut`): ([R] int64 tokens, [R] bool found).
-    Per row: ``x`` [R, V] (the rows after bans, bias and penalties), ``row_f`` [R, 4] float32
-    = (finite maximum, temperature > 0, min_p's cut or -inf, exp2 scale: :func:`_row_args`),
+    Per row: ``x`` [R, V] (the rows after bans, bias and penalties), ``m`` [R] float32 their
+    finite maxima, ``row_f`` [R, 3] float32 = (temperature (> 0), min_p's cut or -inf, exp2
+    scale: :func:`_row_args`),
     ``row_req`` / ``row_pos`` [R] int64, ``live`` [R] bool (rows that are not live count as
     found: nobody reads them); per request: ``top_p`` [N] float64 and ``req_i`` [N, 3] int64 =
     (top_k, seed_lo, seed_hi). ``need_total`` as in :func:`_candidate_cut`.
@@ -416,11 +483,11 @@ def _candidate_draw(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
     two from the chosen tile's values with the cut applied. The caller draws the rows that
     were not found from the cut of ``processing.filter_cut``."""
     v = x.shape[1]
-    m, t = row_f[:, 0:1], row_f[:, 1:2]
+    m, t = m[:, None], row_f[:, 0:1]
     i = req_i[row_req]
     k = i[:, 0:1]
     cand_v, cand_i, n_keep, found = _candidate_cut(
-        x, m, t, row_f[:, 2:3], row_f[:, 3:4], torch.where((k > 0) & (k < v), k, v),
+        x, m, t, row_f[:, 1:2], row_f[:, 2:3], torch.where((k > 0) & (k < v), k, v),
         top_p[row_req][:, None], need_total)
     cut_v, cut_i = cand_v.gather(1, n_keep - 1), cand_i.gather(1, n_keep - 1)
     # The tile level from the survivors' float64 masses (the candidates ranked < n_keep).
@@ -495,17 +562,17 @@ def _candidate_cut(x: torch.Tensor, m: torch.Tensor, t: torch.Tensor, min_cut: t
     return cand_v, cand_i, torch.where(p_on, n_lo, n_k).clamp(1, c), found
 
 
-def _matched_candidates(x: torch.Tensor, row_f: torch.Tensor, row_req: torch.Tensor,
-                        row_pos: torch.Tensor, live: torch.Tensor, top_p: torch.Tensor,
-                        req_i: torch.Tensor, rows: torch.Tensor, d: torch.Tensor, streams,
-                        need_total: bool
+def _matched_candidates(x: torch.Tensor, m: torch.Tensor, row_f: torch.Tensor,
+                        row_req: torch.Tensor, row_pos: torch.Tensor, live: torch.Tensor,
+                        top_p: torch.Tensor, req_i: torch.Tensor, rows: torch.Tensor,
+                        d: torch.Tensor, streams, need_total: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One-hot verification of top_k / top_p rows in one compiled call: every row's token
     as :func:`_candidate_draw` draws it (same arguments), then sample-and-match over the grid
     ``rows`` [N, K + 1] and drafts ``d`` [N, K] (:func:`_match_grid`). Returns (token_ids
     [N, K + 1], num_accepted [N], the rows' tokens [R], found [R]); the first two hold only
     where every row was found."""
-    y, found = _candidate_draw(x, row_f, row_req, row_pos, live, top_p, req_i, streams,
+    y, found = _candidate_draw(x, m, row_f, row_req, row_pos, live, top_p, req_i, streams,
                                need_total)
     return (*_match_grid(y, rows, d), y, found)
 
@@ -758,21 +825,23 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
     """
     batch = plan.batch
     if argmax_only and not (batch.needs_bans or batch.needs_bias or batch.needs_penalties):
-        plan, _, err = clean_rows(plan)
+        plan, _, err, _ = clean_rows(plan)
         return plan, plan.logits, err
-    plan, inputs, err = checked_row_inputs(plan)
+    plan, inputs, err, _ = checked_row_inputs(plan)
     return plan, process_rows(plan, inputs=inputs), err
 
 
-def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
+def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor, bool]:
     """Validate ``plan``'s rows: (the plan with the rows of invalid requests and dead rows
     zeroed, [T] float max of each cleaned row, [N] int64 ERR_* bitmask, with ERR_BANS: see
-    :func:`processed_logits`)."""
+    :func:`processed_logits`; True when every request is known valid (the bitmask all 0,
+    every row maximum finite), False when some is not or, with bans, may not be)."""
     batch = plan.batch
     n = plan.num_requests
     row_max = plan.logits.amax(dim=-1)
-    err = request_errors(plan, row_max)
-    if bool(err.any()) or not plan.placeholder_free and bool((~plan.row_live).any()):
+    err, valid = _request_errors(plan, row_max)
+    valid = valid or not bool(err.any())
+    if not valid or not plan.placeholder_free and bool((~plan.row_live).any()):
         invalid = err != 0
         bad_rows = invalid[plan.row_req] | ~plan.row_live
         clean = plan.logits.masked_fill(bad_rows[:, None], 0.0)
@@ -782,7 +851,8 @@ def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor]:
     if batch.needs_bans:
         live = plan.row_live & (err == 0)[plan.row_req]
         err |= _or_per_request(rows_emptied_by_bans(plan) & live, plan.row_req, n, ERR_BANS)
-    return plan, row_max, err
+        valid = False  # (not read on the host)
+    return plan, row_max, err, valid
 
 
 def processed_distribution(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -843,10 +913,10 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     if not argmax_only and plan.logits.device.type == "cpu":
         # (every sampled CPU token comes from sample_processed, whatever else the call needs,
         # so a request's tokens never depend on the other requests' options)
-        plan, inputs, err = checked_row_inputs(plan)
+        plan, inputs, err, valid = checked_row_inputs(plan)
         one_hot = not (batch.max_logprobs >= 0 or plan.has_draft_dist)
         if one_hot and plan.max_k > 0 and batch.num_greedy == 0:
-            out = _match_cpu(plan, inputs, err)  # (the draws and the match in one call)
+            out = _match_cpu(plan, inputs, err, valid)  # (the draws and the match in one call)
             if out is not None:
                 return out, err
         y = sample_processed(*inputs, batch, req, plan.row_pos)
@@ -855,6 +925,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
             tile_lse, lse = processed_tile_logsumexp(z)
     else:
         plan, z, err = processed_logits(plan, argmax_only=argmax_only)
+        valid = False  # (not read on the host)
         if not argmax_only:
             tile_lse, lse = processed_tile_logsumexp(z)
         y = sample_rows(z, tile_lse, (batch.temperature == 0)[req], batch.seed_lo[req],
@@ -862,7 +933,7 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
     invalid = err != 0
     if plan.max_k == 0:  # sample(), or no drafts at all: each request emits its row's token
         token_ids = y[:, None] if plan.num_rows == n else y[plan.row_start][:, None]
-        if y.device.type != "cpu" or bool(err.any()):  # (a host read costs nothing on CPU)
+        if y.device.type != "cpu" or not valid and bool(err.any()):  # (free on the CPU)
             token_ids = torch.where(invalid[:, None], -1, token_ids)
         num_accepted = torch.zeros(n, dtype=torch.int64, device=y.device)
         if batch.max_logprobs >= 0:
@@ -879,23 +950,25 @@ def verify(plan: Plan) -> tuple[VerifyOutput, torch.Tensor]:
                         logprob_token_ids=logprob_ids, invalid=invalid), err
 
 
-def checked_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor]:
-    """(the cleaned plan, ``processing.row_inputs`` of its rows, [N] ERR_* bitmask): the
-    validation of :func:`processed_logits` without building z'. Bias and penalties can
-    overflow finite logits (x + bias, x / r): a live row whose processed rows hold NaN / +inf
-    or nothing finite sets ERR_PROCESSED_OVERFLOW, as the Triton general path does; it is
-    read from the rows' maxima (z' has a non-finite maximum exactly when they do)."""
+def checked_row_inputs(plan: Plan) -> tuple[Plan, tuple, torch.Tensor, bool]:
+    """(the cleaned plan, ``processing.row_inputs`` of its rows, [N] ERR_* bitmask, True when
+    every request is known valid (:func:`clean_rows`)): the validation of
+    :func:`processed_logits` without building z'. Bias and penalties can overflow finite
+    logits (x + bias, x / r): a live row whose processed rows hold NaN / +inf or nothing
+    finite sets ERR_PROCESSED_OVERFLOW, as the Triton general path does; it is read from the
+    rows' maxima (z' has a non-finite maximum exactly when they do)."""
     batch = plan.batch
     req = plan.row_req
-    plan, row_max, err = clean_rows(plan)
-    y, m, filters = row_inputs(plan, row_max=row_max)
+    plan, row_max, err, valid = clean_rows(plan)
+    y, m, filters = row_inputs(plan, row_max=row_max, finite=valid)
     if batch.needs_bias or batch.needs_penalties:
         live = plan.row_live & (err == 0)[req]
         err |= _or_per_request(~torch.isfinite(m) & live, req, plan.num_requests,
                                ERR_PROCESSED_OVERFLOW)
+        valid = False  # (not read on the host)
     if filters is not None:  # (no cut is searched for on the rows nobody reads)
-        filters.live = plan.row_live & (err == 0)[req]
-    return plan, (y, m, filters), err
+        filters.live = plan.row_live if valid else plan.row_live & (err == 0)[req]
+    return plan, (y, m, filters), err, valid
 
 
 def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFilters | None,
@@ -917,7 +990,7 @@ def sample_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFi
     if filters is None or n_ranked == 0:
         seeds = _seeds(batch) if one_each else _seeds(batch)[row_req]
         y = _draw_with_cut(x, m, None if filters is None else filters.threshold(),
-                           temperature, seeds, pos)
+                           temperature, seeds, pos, batch=batch if one_each else None)
     elif n_ranked == batch.num_requests:
         y = _draw_candidates(x, filters, batch, row_req, pos, None, need_total)
     else:
@@ -947,22 +1020,34 @@ def _seeds(batch) -> torch.Tensor:
 
 def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
                    temperature: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor,
-                   id_rule: bool = False) -> torch.Tensor:
+                   id_rule: bool = False, batch=None) -> torch.Tensor:
     """[R] int64: the draw of :func:`_processed_rows` of rows ``x`` [R, V] with the filter
     ``cut`` (cut_v, cut_i) or None (greedy rows get a token their caller replaces);
     ``seeds`` [R, 2] int64 (seed_lo, seed_hi), ``pos`` [R] int64. ``id_rule``: every row
-    takes the function with the id rule (the same kept set where cut_i = V)."""
+    takes the function with the id rule (the same kept set where cut_i = V). ``batch``: the
+    SamplingBatch whose request i row i is, when it is, which then keeps the per-row
+    arguments of a call without cut."""
     v = x.shape[1]
+
+    def rows_args(t, cut_v, cut_i, s):
+        return (torch.stack([t.float(), cut_v.float()], 1), torch.cat([cut_i[:, None], s], 1))
+
     if cut is None:
-        cut = (torch.full_like(m, -math.inf), torch.full(m.shape, v, dtype=torch.int64))
         ties, any_ties = None, False
-    elif id_rule:
-        ties, any_ties = None, True
+
+        def no_cut(b=None):
+            t, s = (temperature, seeds) if b is None else (b.temperature, _seeds(b))
+            return rows_args(t, torch.full_like(t, -math.inf, dtype=torch.float32),
+                             torch.full(t.shape, v, dtype=torch.int64), s)
+
+        per_row = no_cut() if batch is None else batch.derived(
+            f"no_cut_rows{v}", no_cut, batch.temperature, batch.seed_lo, batch.seed_hi)
     else:
-        ties = cut[1] < v
-        any_ties = bool(ties.any())
-    per_row = (torch.stack([m.float(), temperature.float(), cut[0].float()], 1),
-               torch.cat([cut[1][:, None], seeds, pos[:, None]], 1))
+        ties, any_ties = (None, True) if id_rule else (cut[1] < v, None)
+        if any_ties is None:
+            any_ties = bool(ties.any())
+        per_row = rows_args(temperature, *cut, seeds)
+    per_row = (m.float(), pos, *per_row)
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
     if ties is None or not any_ties or bool(ties.all()):
@@ -977,23 +1062,28 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     return y
 
 
-def _row_args(batch, row_req: torch.Tensor, m: torch.Tensor, t: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    """[R] -> [R, 4] float32 per-row arguments of :func:`_candidate_draw`: (``m`` the finite
-    maxima, the temperature ``t`` (default: the rows' requests'), min_p's cut as
-    ``processing.filter_settings`` makes it, or -inf, the exp2 scale ``log2(e) / t``). (Made
-    here, not in the compiled function: Inductor would compute a value derived there from
-    the request index, or a division, again for every element of the row.)"""
-    t = batch.temperature[row_req] if t is None else t
+def _row_args(batch, row_req: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """[R, 3] float32 per-row arguments of :func:`_candidate_draw` for rows of requests
+    ``row_req`` [R] (None: row i is request i) with finite maxima ``m`` [R]: (the
+    temperature, min_p's cut as ``processing.filter_settings`` makes it, or -inf, the exp2
+    scale ``log2(e) / t``). Without min_p the batch keeps them per request. (Made here, not
+    in the compiled function: Inductor would compute a value derived there from the request
+    index, or a division, again for every element of the row.)"""
+    def per_request(b):
+        t = b.temperature
+        return torch.stack([t, torch.full_like(t, -math.inf),
+                            (math.log2(math.e) / t.double()).float()], 1)
+
+    args = batch.derived("candidate_args", per_request, batch.temperature)
+    args = args if row_req is None else args[row_req]
     if batch.rank_filters[2]:
-        min_p = batch.min_p[row_req]
+        t = args[:, 0]
+        min_p = batch.min_p if row_req is None else batch.min_p[row_req]
         on = (min_p > 0) & (t > 0)
         cut = processing.round_up_f32(m.double() + t.double() * torch.log(
             torch.where(on, min_p, 1.0)))
-        cut = torch.where(on, cut, -math.inf)
-    else:
-        cut = torch.full_like(m, -math.inf)
-    return torch.stack([m, t, cut, (math.log2(math.e) / t.double()).float()], 1)
+        args = torch.stack([t, torch.where(on, cut, -math.inf).float(), args[:, 2]], 1)
+    return args
 
 
 def _request_args(batch, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1023,11 +1113,13 @@ def _draw_candidates(x: torch.Tensor, filters: processing.RowFilters, batch,
     per_row = (x, filters.m, row_req, pos, filters.live)
     if idx is not None:
         per_row = tuple(t[idx] for t in per_row)
-    per_row = (per_row[0], _row_args(batch, per_row[2], per_row[1]), *per_row[2:])
+    one_each = idx is None and x.shape[0] == batch.num_requests  # (row i is request i)
+    per_row = (per_row[0], per_row[1],
+               _row_args(batch, None if one_each else per_row[2], per_row[1]), *per_row[2:])
     r = per_row[0].shape[0]
-    if r == 1:  # (compiled shapes are dynamic except for sizes of 1: the row goes twice)
-        with torch.inference_mode(False):
-            per_row = tuple(torch.cat([t, t]) for t in per_row)
+    if r == 1:  # (compiled shapes are dynamic except for sizes of 1: the row goes twice; the
+        # candidates' graph guards on two rows or more, so one row cannot run it unpadded)
+        per_row = _two_rows(len(per_row), per_row, widths=False)
     y, found = _call_cpu("candidate_rows", _candidate_draw, per_row[0],
                          (*per_row[1:], *_request_args(batch, 2)), _CANDIDATE_STREAMS,
                          (need_total,))
@@ -1080,13 +1172,14 @@ def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFil
     rows_in, d_in = rows, d
     per_row = (x, m if filters is None else filters.m, row_req, row_pos)
     if candidates:
-        per_row = (x, _row_args(batch, row_req, filters.m), row_req, row_pos, filters.live)
+        per_row = (x, filters.m, _row_args(batch, row_req, filters.m), row_req, row_pos,
+                   filters.live)
     else:
         cut_v, cut_i = (None, None) if filters is None else filters.threshold()  # (min_p)
         per_row = (*per_row, cut_v, cut_i)
     # (compiled shapes are dynamic except for sizes of 1: a single row or request goes
     # twice, a single draft gets a placeholder after it, which never matches)
-    with torch.inference_mode(False):
+    with _normal_tensors():
         if x.shape[0] == 1:
             per_row = tuple(t if t is None else torch.cat([t, t]) for t in per_row)
         if n == 1:
@@ -1112,15 +1205,19 @@ def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFil
             "matched_rows", _matched_rows, x_, (m_, cut_v, cut_i, req_, pos_, temperature,
                                                 seeds, rows, d), _CANDIDATE_STREAMS, (False,),
             ("nocut",) if filters is None else ())
-    if k == 1 or n == 1:  # (the padded grid's own rows: a new, contiguous tensor)
+    if k == 1:  # (the padded grid's own columns: a new, contiguous tensor)
         token_ids = token_ids[:n, :k + 1].contiguous()
-    return token_ids, num_accepted[:n]
+    elif n == 1:
+        token_ids = token_ids[:1]
+    return token_ids, num_accepted if n > 1 else num_accepted[:1]
 
 
-def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | None:
+def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor, valid: bool
+               ) -> VerifyOutput | None:
     """:func:`verify`'s output for one-hot drafts of sampled requests on CPU rows through
     :func:`match_processed` (``inputs``: ``processing.row_inputs`` of the cleaned plan; ``err``
-    the requests' ERR_* bits), or None when that declines the rows."""
+    the requests' ERR_* bits; ``valid``: every request known valid), or None when that
+    declines the rows."""
     k = plan.max_k
     n = plan.num_requests
     if plan.uniform and plan.placeholder_free:  # (rows i (K + 1) + j)
@@ -1133,7 +1230,7 @@ def _match_cpu(plan: Plan, inputs: tuple, err: torch.Tensor) -> VerifyOutput | N
         return None
     token_ids, num_accepted = out
     invalid = err != 0
-    if bool(err.any()):
+    if not valid and bool(err.any()):
         token_ids = torch.where(invalid[:, None], -1, token_ids)
         num_accepted = torch.where(invalid, 0, num_accepted)
     return VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=None,
