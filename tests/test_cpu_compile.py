@@ -422,7 +422,11 @@ def _scaled_argmax(x: torch.Tensor, a: torch.Tensor, streams: torch.Tensor) -> t
     return (x * a[:, 0:1] + a[:, 1:2]).argmax(1) + streams[0]
 
 
+_PADS = []
+
+
 def _pad_two(args: tuple) -> tuple:
+    _PADS.append(args[0].shape[0])
     x, a, *rest = args
     a2 = torch.cat([a, a])
     torch._dynamo.mark_static(a2, 1)
@@ -443,47 +447,36 @@ def _row_call(name: str, r: int, seed: int, v: int = 300) -> tuple[torch.Tensor,
 def test_one_row_runs_the_graph_compiled_for_many(monkeypatch):
     """A function called with ``pad``: its first one-row call goes padded to two rows (and
     compiles a graph for every row count), later one-row calls run that graph unpadded and
-    compile nothing. Where the guards refuse one row (the first one-row call at a vocabulary
-    size runs with error_on_recompile, so it raises instead of compiling a graph for one row),
-    and should a later one-row call ever compile, one row goes padded at that size, counted."""
+    compile nothing. A one-row call that compiles all the same (a setting the guards check
+    changed: the number of threads; or, simulated, any compilation during the call) drops the
+    function's compiled form, is made again padded, counted, and one row goes padded at that
+    vocabulary size from then on."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     name = "one_row_test"
+    _PADS.clear()
     for r, seed in ((1, 0), (3, 1), (1, 2), (2, 3), (1, 4)):
         got, args = _row_call(name, r, seed)
         assert torch.equal(got, _scaled_argmax(*args)), (r, seed)
+    assert _PADS == [1]  # (the first call only)
     fn = cpu_compile._compiled[name]
     assert len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)) == 1
     counts = paths.counts()
     assert counts[f"cpu.compiled.{name}"] == {"calls": 5, "rows": 8}
     assert f"cpu.one_row_padded.{name}" not in counts
-    assert (name, 300) in cpu_compile._one_row_sizes
-    assert not any(k == name for k, _ in cpu_compile._padded_rows)
 
-    # Guards that refuse one row at a new size (simulated: the compiled function raises as
-    # torch.compile does under error_on_recompile).
-    real = cpu_compile._compiled_fn
-
-    def refusing(key, fn):
-        c = real(key, fn)
-
-        def run(*args):
-            if args[0].shape[0] == 1 and torch._dynamo.config.error_on_recompile:
-                raise torch._dynamo.exc.RecompileError("guards refuse one row")
-            return c(*args)
-        return run
-
-    monkeypatch.setattr(cpu_compile, "_compiled_fn", refusing)
-    for seed in (5, 6):
-        got, args = _row_call(name, 1, seed, v=400)
-        assert torch.equal(got, _scaled_argmax(*args))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        got, args = _row_call(name, 1, 5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, _scaled_argmax(*args))
     assert paths.counts()[f"cpu.one_row_padded.{name}"]["calls"] == 1
-    assert (name, 400) in cpu_compile._padded_rows and (name, 400) not in (
-        cpu_compile._one_row_sizes)
-    monkeypatch.setattr(cpu_compile, "_compiled_fn", real)
+    assert cpu_compile._compiled[name] is not fn and (name, 300) in cpu_compile._padded_rows
+    got, args = _row_call(name, 1, 6)
+    assert torch.equal(got, _scaled_argmax(*args)) and _PADS == [1, 1, 1]
 
-    # A one-row call at a known size that compiles all the same (simulated: the count of
-    # compiled graphs moves during the call) is made again padded, and so are later ones.
     looks = []
 
     def moving_count() -> int:
@@ -491,19 +484,26 @@ def test_one_row_runs_the_graph_compiled_for_many(monkeypatch):
         return len(looks)
 
     monkeypatch.setattr(cpu_compile, "_graphs", moving_count)
-    for seed in (7, 8):
-        got, args = _row_call(name, 1, seed)
-        assert torch.equal(got, _scaled_argmax(*args))
-    assert len(looks) == 2  # (around the first call only)
-    assert paths.counts()[f"cpu.one_row_padded.{name}"]["calls"] == 2
-    assert (name, 300) in cpu_compile._padded_rows
+    fn = cpu_compile._compiled[name]
+    got, args = _row_call(name, 1, 7, v=400)  # (a size not refused yet)
+    assert torch.equal(got, _scaled_argmax(*args))
+    assert len(looks) == 2 and paths.counts()[f"cpu.one_row_padded.{name}"]["calls"] == 2
+    assert cpu_compile._compiled[name] is not fn and (name, 400) in cpu_compile._padded_rows
 
 
-def test_one_row_sample_is_its_row_in_a_batch():
+def test_one_row_sample_is_its_row_in_a_batch(monkeypatch):
     """sample() of one request runs the pass compiled for many rows, and its token is the one
     the same request gets as row 0 of a batch (the same graph); the candidates' function,
     whose graph guards on two rows or more, gets one row padded to two."""
     g = torch.Generator().manual_seed(11)
+    pads = []
+    real = tb._two_rows
+
+    def counted(n, args, widths=True):
+        pads.append(args[0].shape[0])
+        return real(n, args, widths)
+
+    monkeypatch.setattr(tb, "_two_rows", counted)
     for v, options, name, rows in ((5000, {}, "processed_rows", 6),
                                    (49152, {}, "processed_rows", 6),
                                    (4096, {"top_k": 20, "top_p": 0.8}, "candidate_rows", 9),
@@ -520,3 +520,5 @@ def test_one_row_sample_is_its_row_in_a_batch():
         counts = paths.counts()
         assert counts[f"cpu.compiled.{name}"]["rows"] == rows, (v, options, counts)
         assert not any(k.startswith("cpu.one_row_padded") for k in counts), counts
+        assert len(pads) == (0 if name == "processed_rows" else 3), (v, options, pads)
+        pads.clear()

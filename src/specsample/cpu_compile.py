@@ -28,14 +28,17 @@ A tensor dimension of size 1 would be specialised by ``torch.compile``: callers 
 except the rows of a function called with ``pad`` (its tensors lead with the rows): such a
 function is compiled with size-oblivious sizes (``backed_size_oblivious``), from a call of two
 rows or more (a one-row call before that goes padded to two), and a call of one row then runs
-that same graph, so a row's result is the same alone as in a batch. The first one-row call
-at a vocabulary size runs with torch.compile's ``error_on_recompile``, so that a graph for
-one row is never compiled: where the guards refuse one row (Inductor guards some graphs on
-two rows or more), one row goes padded at that size (path ``cpu.one_row_padded.<name>``).
-The settings these calls make (duck sizing off, size-oblivious sizes for row functions, and
-that first call's ``error_on_recompile``) are process-wide while a compiled call runs: the
+that same graph, so a row's result is the same alone as in a batch. A one-row call that
+compiles a graph all the same (guards that refuse one row: Inductor guards some graphs, such
+as the candidates' draw, on two rows or more; or a changed setting that the guards check,
+such as the number of threads) drops that function's compiled form, which compiles again
+from two rows, and its one-row calls at that vocabulary size go padded from then on (path
+``cpu.one_row_padded.<name>``). The settings these calls make (duck sizing off,
+size-oblivious sizes for row functions) are process-wide while a compiled call runs: the
 calls run one at a time, under a lock, and a ``torch.compile`` of other code in another
-thread at that moment compiles under them.
+thread at that moment compiles under them (and a compilation there, moving torch.compile's
+count of graphs during a one-row call here, makes that call count as refused: slower, never
+wrong).
 
 Paths (``specsample.paths``), counted per call with the rows it handled:
 
@@ -43,8 +46,8 @@ Paths (``specsample.paths``), counted per call with the rows it handled:
 * ``cpu.eager.<name>``: compilation is switched off (:func:`disabled`, or the environment
   variable ``SPECSAMPLE_CPU_COMPILE=0`` read at import), or a tensor argument needs a
   gradient (never from the torch backend, which passes detached tensors);
-* ``cpu.one_row_padded.<name>``: a one-row call that no compiled graph took (see above),
-  run padded; that function's one-row calls at that vocabulary size are padded from then
+* ``cpu.one_row_padded.<name>``: a one-row call that compiled a graph (see above), made
+  again padded; that function's one-row calls at that vocabulary size are padded from then
   on;
 * ``cpu.compile_failed.<name>``: compiling failed (for example no C++ compiler on the
   machine); the call ran eagerly, a ``RuntimeWarning`` names the error once per variant,
@@ -63,8 +66,6 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-import torch._dynamo.config as _dynamo_config
-import torch._dynamo.utils
 import torch.fx.experimental._config as _fx_config
 
 from . import paths
@@ -81,7 +82,6 @@ _settings_lock = threading.Lock()
 #: Whether this torch has size-oblivious sizes (without them one row always goes padded).
 _OBLIVIOUS = hasattr(_fx_config, "backed_size_oblivious")
 _many_rows: set[str] = set()  # row functions compiled from a call of two rows or more
-_one_row_sizes: set[tuple[str, int]] = set()  # (function, V): one row ran the graph for many
 _padded_rows: set[tuple[str, int]] = set()  # (function, V): one row goes padded
 
 
@@ -116,41 +116,29 @@ def _compiled_fn(key: str, fn: Callable) -> Callable:
 
 def _graphs() -> int:
     """How many graphs torch.compile has compiled in this process."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # (imported here: importing torch._dynamo imports triton, and on the Triton backend's CPU
+    # route the library switches Triton's interpreter on only before triton is imported)
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _direct(key: str, fn: Callable, args: tuple, pad: Callable[[tuple], tuple]
             ) -> tuple[object, bool]:
-    """(``fn(*args)`` of one row through the graph compiled for many, whether one row is
-    refused). The first such call at a vocabulary size runs with torch.compile's
-    ``error_on_recompile``: if no compiled graph takes one row, it raises instead of compiling
-    one (a graph for one row, which later calls of more rows could also pick, and whose sums
-    could round otherwise), and one row goes padded at that size from then on. A later call
-    that compiles all the same (not expected: the guards it meets are the first call's) is
-    made again padded, and so are the later ones."""
-    c = _compiled_fn(key, fn)
-    size = (key, args[0].shape[1])
+    """(``fn(*args)`` of one row through the graph compiled for many, whether one row was
+    refused). Should the call compile a graph (the guards refused one row, or something they
+    check changed, such as the number of threads), that graph was traced from one row and
+    later calls of more rows could pick it, and its sums could round otherwise: the
+    function's compiled form is dropped (a new copy compiles from two rows), the call is made
+    padded, and one row goes padded at this vocabulary size from then on."""
     graphs = _graphs()
-    if size in _one_row_sizes:
-        out = c(*args)
-        if _graphs() == graphs:
-            return out, False
-    else:
-        no_recompile = _dynamo_config.error_on_recompile
-        _dynamo_config.error_on_recompile = True
-        try:
-            out = c(*args)
-        except torch._dynamo.exc.RecompileError:
-            out = None
-        finally:
-            _dynamo_config.error_on_recompile = no_recompile
-        if out is not None and _graphs() == graphs:
-            with _lock:
-                _one_row_sizes.add(size)
-            return out, False
+    out = _compiled_fn(key, fn)(*args)
+    if _graphs() == graphs:
+        return out, False
     with _lock:
-        _padded_rows.add(size)
-    return c(*pad(args)), True
+        _compiled.pop(key, None)
+        _padded_rows.add((key, args[0].shape[1]))
+    return _compiled_fn(key, fn)(*pad(args)), True  # (compiled from two rows)
 
 
 def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
@@ -203,9 +191,11 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
             with torch.no_grad():
                 out, refused = _direct(key, fn, args, pad) if direct else (
                     _compiled_fn(key, fn)(*args), False)
-            if pad is not None and not direct and key not in _many_rows:
+            if pad is not None and not direct and key not in _many_rows and rows:
                 with _lock:  # (compiled from two rows or more: a graph for every row count)
                     _many_rows.add(key)
+        except torch._dynamo.exc.RecompileError:
+            raise  # (the caller's own torch._dynamo.config.error_on_recompile)
         except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)
             out = fn(*args)  # (an error of the function itself raises here, as eagerly)
             with _lock:
