@@ -483,18 +483,46 @@ def test_one_row_runs_the_graph_compiled_for_many(monkeypatch):
         looks.append(1)
         return len(looks)
 
+    _row_call(name, 2, 9, v=400)  # (a size not refused yet, run with two rows: then one row
+    # goes direct)
     monkeypatch.setattr(cpu_compile, "_graphs", moving_count)
     fn = cpu_compile._compiled[name]
-    got, args = _row_call(name, 1, 7, v=400)  # (a size not refused yet)
+    got, args = _row_call(name, 1, 7, v=400)
     assert torch.equal(got, _scaled_argmax(*args))
     assert len(looks) == 2 and paths.counts()[f"cpu.one_row_padded.{name}"]["calls"] == 2
     assert cpu_compile._compiled[name] is not fn and (name, 400) in cpu_compile._padded_rows
 
 
+def test_one_row_views_and_new_sizes_go_without_refusal():
+    """A one-row slice of a strided view is passed with standard strides (torch.compile
+    guards on a size-1 dimension's stride too), and a one-row call at a vocabulary size
+    that no call of more rows has used goes padded at first (it needs a graph for that size):
+    neither counts as a refusal nor drops the compiled function. The token is the row's in a
+    batch either way."""
+    v = 5000
+    g = torch.Generator().manual_seed(21)
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3)]
+    big = torch.randn(6, v + 37, generator=g) * 3
+    rows = big[::2, 5:5 + v]
+    many = sample(rows.contiguous(), SamplingBatch.from_params(params, vocab_size=v),
+                  positions=torch.tensor([5, 6, 7]))
+    one = sample(rows[1:2], SamplingBatch.from_params(params[1:2], vocab_size=v),
+                 positions=torch.tensor([6]))
+    assert int(one.token_ids[0]) == int(many.token_ids[1])
+    small = torch.randn(3, 1000, generator=g) * 3
+    one = sample(small[:1], SamplingBatch.from_params(params[:1], vocab_size=1000),
+                 positions=torch.tensor([5]))
+    many = sample(small, SamplingBatch.from_params(params, vocab_size=1000),
+                  positions=torch.tensor([5, 6, 7]))
+    assert int(one.token_ids[0]) == int(many.token_ids[0])
+    assert not any(k.startswith("cpu.one_row_padded") for k in paths.counts())
+
+
 def test_one_row_sample_is_its_row_in_a_batch(monkeypatch):
     """sample() of one request runs the pass compiled for many rows, and its token is the one
     the same request gets as row 0 of a batch (the same graph); the candidates' function,
-    whose graph guards on two rows or more, gets one row padded to two."""
+    whose graph guards on two rows or more, gets one row padded to two (counted as one
+    row)."""
     g = torch.Generator().manual_seed(11)
     pads = []
     real = tb._two_rows
@@ -506,8 +534,8 @@ def test_one_row_sample_is_its_row_in_a_batch(monkeypatch):
     monkeypatch.setattr(tb, "_two_rows", counted)
     for v, options, name, rows in ((5000, {}, "processed_rows", 6),
                                    (49152, {}, "processed_rows", 6),
-                                   (4096, {"top_k": 20, "top_p": 0.8}, "candidate_rows", 9),
-                                   (49152, {"top_p": 0.9}, "candidate_rows", 9)):
+                                   (4096, {"top_k": 20, "top_p": 0.8}, "candidate_rows", 6),
+                                   (49152, {"top_p": 0.9}, "candidate_rows", 6)):
         paths.reset()
         logits = torch.randn(3, v, generator=g) * 3
         params = [SamplingParams(temperature=0.8, seed=40 + i, **options) for i in range(3)]

@@ -27,7 +27,8 @@ function. Each costs 20-45 s on an empty Inductor cache on 2 cores.
 A tensor dimension of size 1 would be specialised by ``torch.compile``: callers pad those,
 except the rows of a function called with ``pad`` (its tensors lead with the rows): such a
 function is compiled with size-oblivious sizes (``backed_size_oblivious``), from a call of two
-rows or more (a one-row call before that goes padded to two), and a call of one row then runs
+rows or more at the vocabulary size (a one-row call before that goes padded to two), and a
+call of one row then runs
 that same graph, so a row's result is the same alone as in a batch. A one-row call that
 compiles a graph all the same (guards that refuse one row: Inductor guards some graphs, such
 as the candidates' draw, on two rows or more; or a changed setting that the guards check,
@@ -81,7 +82,7 @@ _failed: dict[str, str] = {}
 _settings_lock = threading.Lock()
 #: Whether this torch has size-oblivious sizes (without them one row always goes padded).
 _OBLIVIOUS = hasattr(_fx_config, "backed_size_oblivious")
-_many_rows: set[str] = set()  # row functions compiled from a call of two rows or more
+_many_rows: set[tuple[str, int]] = set()  # (function, V): called with two rows or more
 _padded_rows: set[tuple[str, int]] = set()  # (function, V): one row goes padded
 
 
@@ -154,8 +155,8 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
     dimension and whose other dimensions do not change between calls (the caller marks the
     widths of 2-D arguments static; x's vocabulary stays dynamic): ``pad(args)`` repeats the
     one row of each leading argument to two, and the caller reads the first ``rows`` rows of
-    the result (one-row calls go padded until the function has been compiled from a call of
-    more rows, and where the compiled graph refuses one row: :func:`_direct`).
+    the result (one-row calls go padded until the function has run with more rows at that
+    vocabulary size, and where the compiled graph refuses one row: :func:`_direct`).
     Compiled calls run one at a time (the settings they make are process-wide)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if tensors[0].device.type != "cpu":
@@ -169,8 +170,8 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
         paths.record(f"cpu.compile_failed.{name}", rows)
         return fn(*args)
     one_row = pad is not None and rows == 1
-    direct = (one_row and _OBLIVIOUS and key in _many_rows
-              and (key, args[0].shape[1]) not in _padded_rows)
+    size = (key, args[0].shape[1])
+    direct = one_row and _OBLIVIOUS and size in _many_rows and size not in _padded_rows
     refused = False
     if one_row and not direct:
         args = pad(args)
@@ -191,9 +192,9 @@ def call(name: str, fn: Callable, *args, rows: int, variant: tuple = (),
             with torch.no_grad():
                 out, refused = _direct(key, fn, args, pad) if direct else (
                     _compiled_fn(key, fn)(*args), False)
-            if pad is not None and not direct and key not in _many_rows and rows:
-                with _lock:  # (compiled from two rows or more: a graph for every row count)
-                    _many_rows.add(key)
+            if pad is not None and not direct and size not in _many_rows:
+                with _lock:  # (run with two rows or more: a graph for every row count)
+                    _many_rows.add(size)
         except torch._dynamo.exc.RecompileError:
             raise  # (the caller's own torch._dynamo.config.error_on_recompile)
         except Exception as exc:  # noqa: BLE001 (any compiler error: the eager run decides)

@@ -348,7 +348,10 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
             return fresh(batch)
         return fresh_positions(batch, device)
     if not isinstance(positions, torch.Tensor):
-        positions = torch.as_tensor(positions)  # no dtype: floats must not be truncated
+        try:
+            positions = torch.as_tensor(positions)  # no dtype: floats must not be truncated
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ValueError(f"positions must be integers in [0, 2**63): {exc}") from None
     if positions.dim() != 1 or positions.shape[0] != n:
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:

@@ -213,12 +213,12 @@ def _call_rows(name: str, fn, x: torch.Tensor, per_row: tuple, token_stream: int
     else:  # (compiled shapes are dynamic except for sizes of 1: the row goes twice)
         if r == 1:
             x, *per_row = _two_rows(len(per_row) + 1, (x, *per_row), widths=False)
-        y = _call_cpu(name, fn, x, per_row, streams, flags)
+        y = _call_cpu(name, fn, x, per_row, streams, flags, rows=r)
     return y if y.shape[0] == r else y[:r]  # (a padded row's result)
 
 
 def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags: tuple,
-              tags: tuple = (), row_args: int | None = None):
+              tags: tuple = (), row_args: int | None = None, rows: int | None = None):
     """``cpu_compile.call(name, fn, x, *args, streams, *flags)`` on CPU tensors, counted with
     x's rows; ``args`` may hold None. torch.compile guards on each tensor's kind (inference
     tensor or not): the small tensors are made normal ones, the logits' kind and dtype name a
@@ -227,13 +227,15 @@ def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags
     ``row_args`` of ``args`` lead with x's rows, and the second dimension of every 2-D
     argument is a fixed width (marked static), so that one row runs the graph compiled for
     many (``cpu_compile.call``'s ``pad``); the caller reads the first R rows of the
-    result."""
+    result. ``rows``: the rows to count (default x's; a caller that padded one row says 1)."""
     with _normal_tensors():
-        # (contiguous, and without a _base: torch.compile would guard on the base's shape)
+        # (contiguous with the standard strides, a size-1 dimension's included, and without
+        # a _base: torch.compile guards on strides and on the base's shape)
         x, *args = (t if t is None or (t._base is None and not t.requires_grad
-                                       and t.is_contiguous() and (t is x or not t.is_inference()))
-                    else (t.clone() if t is not x and t.is_inference() else t
-                          ).contiguous().detach() for t in (x, *args))
+                                       and _dense(t) and (t is x or not t.is_inference()))
+                    else (t.clone(memory_format=torch.contiguous_format)
+                          if t is not x and t.is_inference() or not _dense(t)
+                          else t.contiguous()).detach() for t in (x, *args))
     variant = (str(x.dtype).removeprefix("torch."), "inference" if x.is_inference() else "",
                *(f"flag{i}" for i, f in enumerate(flags) if f), *tags)
     pad = None
@@ -241,7 +243,14 @@ def _call_cpu(name: str, fn, x: torch.Tensor, args: tuple, streams: tuple, flags
         _static_widths(args)
         pad = functools.partial(_two_rows, row_args + 1)
     return cpu_compile.call(name, fn, x, *args, _streams_tensor(streams), *flags,
-                            rows=x.shape[0], variant=tuple(v for v in variant if v), pad=pad)
+                            rows=x.shape[0] if rows is None else rows,
+                            variant=tuple(v for v in variant if v), pad=pad)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t`` is contiguous with the standard strides (``is_contiguous`` ignores the
+    stride of a size-1 dimension, which torch.compile guards on)."""
+    return t.is_contiguous() and (t.dim() < 2 or t.stride(0) == math.prod(t.shape[1:]))
 
 
 def _two_rows(n: int, args: tuple, widths: bool = True) -> tuple:
@@ -1122,7 +1131,7 @@ def _draw_candidates(x: torch.Tensor, filters: processing.RowFilters, batch,
         per_row = _two_rows(len(per_row), per_row, widths=False)
     y, found = _call_cpu("candidate_rows", _candidate_draw, per_row[0],
                          (*per_row[1:], *_request_args(batch, 2)), _CANDIDATE_STREAMS,
-                         (need_total,))
+                         (need_total,), rows=r)
     y, found = y[:r], found[:r]
     if not bool(found.all()):
         rows = torch.arange(x.shape[0]) if idx is None else idx
