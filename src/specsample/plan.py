@@ -60,16 +60,12 @@ class Plan:
 
     @functools.cached_property
     def draft_id_range(self) -> tuple[int, int] | None:
-        """(smallest, largest) draft id, read on the host by one reduction when the drafts
+        """(smallest, largest) draft id, read on the host (:func:`_host_range`) when the drafts
         are CPU tensors; None off the CPU (reading would synchronise) or without drafts."""
         d = self.draft_token_ids
         if d.numel() == 0 or d.device.type != "cpu":
             return None
-        if d.numel() <= 64:  # (a few drafts: a host list costs less than a reduction)
-            ids = d.tolist()
-            return min(ids), max(ids)
-        lo, hi = torch.aminmax(d)
-        return int(lo), int(hi)
+        return _host_range(d)
 
     @functools.cached_property
     def placeholder_free(self) -> bool:
@@ -173,6 +169,16 @@ class Plan:
         rows = (self.row_start[self.draft_req][:, None] + later)[ok]
         toks = self.draft_token_ids[:, None].expand_as(later)[ok]
         return rows, toks
+
+
+def _host_range(t: torch.Tensor) -> tuple[int, int]:
+    """(smallest, largest) entry of a non-empty CPU integer tensor, read on the host: a few
+    values as a list (cheaper than a reduction), more by one ``aminmax``."""
+    if t.numel() <= 64:
+        values = t.tolist()
+        return min(values), max(values)
+    lo, hi = torch.aminmax(t)
+    return int(lo), int(hi)
 
 
 @functools.lru_cache(maxsize=64)
@@ -356,8 +362,7 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
         raise ValueError(f"positions must have shape [{n}], got {tuple(positions.shape)}")
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
-    if positions.device.type == "cpu" and positions.numel() and (
-            min(positions.tolist()) if positions.numel() <= 64 else int(positions.min())) < 0:
+    if positions.device.type == "cpu" and positions.numel() and _host_range(positions)[0] < 0:
         # (checked for host tensors and lists only: a device tensor would need a sync)
         raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
     # (contiguous: the Triton kernels index positions by request without a stride)

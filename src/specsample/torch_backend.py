@@ -58,20 +58,16 @@ def _or_per_request(flags: torch.Tensor, req: torch.Tensor, n: int, bit: int) ->
     return out.scatter_reduce(0, req, flags.to(torch.int64) * bit, reduce="amax")
 
 
-def request_errors(plan: Plan, row_max: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host
-    synchronisation off the CPU).
+def request_errors(plan: Plan, row_max: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, bool]:
+    """([N] int64 bitmask of ERR_* per request, over live rows and drafts only (no host
+    synchronisation off the CPU); True when the host knows the bitmask is all 0 without
+    reading it: CPU rows whose maxima are finite, drafts in range, no draft distribution).
 
     One max per row finds every target-row error: NaN propagates through the max, +inf is
     the max, and a row with no finite value has max -inf. ``row_max``: that [T] max, if the
     caller has it.
     """
-    return _request_errors(plan, row_max)[0]
-
-
-def _request_errors(plan: Plan, row_max: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """(:func:`request_errors`, True when the host knows the bitmask is all 0 without reading
-    it: CPU rows whose maxima are finite, drafts in range, no draft distribution)."""
     n = plan.num_requests
     mx = plan.logits.amax(dim=-1) if row_max is None else row_max
     # (on CPU a host read costs nothing: the per-request scatters only run when some value
@@ -825,7 +821,8 @@ def processed_logits(plan: Plan, *, argmax_only: bool = False
     """Validate and process every row of ``plan``: (the plan with the rows of invalid requests
     and dead rows zeroed, processed logits z' [T, V] float32, [N] int64 ERR_* bitmask).
 
-    Besides :func:`request_errors`, a live row whose bans leave no token sets ERR_BANS, and one
+    Besides :func:`request_errors`' bits, a live row whose bans leave no token sets ERR_BANS,
+    and one
     that logit_bias / penalties push to NaN / +inf or leave without a finite logit sets
     ERR_PROCESSED_OVERFLOW. Rows of invalid requests hold arbitrary values (possibly all -inf).
     With ``argmax_only`` (the caller only takes each row's first argmax) a batch with no bans,
@@ -848,7 +845,7 @@ def clean_rows(plan: Plan) -> tuple[Plan, torch.Tensor, torch.Tensor, bool]:
     batch = plan.batch
     n = plan.num_requests
     row_max = plan.logits.amax(dim=-1)
-    err, valid = _request_errors(plan, row_max)
+    err, valid = request_errors(plan, row_max)
     valid = valid or not bool(err.any())
     if not valid or not plan.placeholder_free and bool((~plan.row_live).any()):
         invalid = err != 0
@@ -1037,25 +1034,18 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
     SamplingBatch whose request i row i is, when it is, which then keeps the per-row
     arguments of a call without cut."""
     v = x.shape[1]
-
-    def rows_args(t, cut_v, cut_i, s):
-        return (torch.stack([t.float(), cut_v.float()], 1), torch.cat([cut_i[:, None], s], 1))
-
     if cut is None:
         ties, any_ties = None, False
-
-        def no_cut(b=None):
-            t, s = (temperature, seeds) if b is None else (b.temperature, _seeds(b))
-            return rows_args(t, torch.full_like(t, -math.inf, dtype=torch.float32),
-                             torch.full(t.shape, v, dtype=torch.int64), s)
-
-        per_row = no_cut() if batch is None else batch.derived(
-            f"no_cut_rows{v}", no_cut, batch.temperature, batch.seed_lo, batch.seed_hi)
+        per_row = _pass_args(temperature, None, seeds, v) if batch is None else batch.derived(
+            f"pass_args{v}", lambda b: _pass_args(b.temperature, None, _seeds(b), v),
+            batch.temperature, batch.seed_lo, batch.seed_hi)
     else:
-        ties, any_ties = (None, True) if id_rule else (cut[1] < v, None)
-        if any_ties is None:
+        if id_rule:
+            ties, any_ties = None, True
+        else:
+            ties = cut[1] < v
             any_ties = bool(ties.any())
-        per_row = rows_args(temperature, *cut, seeds)
+        per_row = _pass_args(temperature, cut, seeds, v)
     per_row = (m.float(), pos, *per_row)
     # A row whose cut splits a group of tied values takes the function with the id rule, any
     # other row the threshold one: the choice depends on the row alone, never on its batch.
@@ -1069,6 +1059,17 @@ def _draw_with_cut(x: torch.Tensor, m: torch.Tensor, cut: tuple | None,
                             tuple(t[idx] for t in per_row), rng.STREAM_SAMPLE,
                             rng.STREAM_SAMPLE_TILE, flag)
     return y
+
+
+def _pass_args(temperature: torch.Tensor, cut: tuple | None, seeds: torch.Tensor, v: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_processed_rows`' ``row_f`` [R, 2] float32 (temperature, cut_v) and ``row_i``
+    [R, 3] int64 (cut_i, seed_lo, seed_hi) for a ``cut`` (cut_v, cut_i), or None: (-inf, V),
+    which keeps every token."""
+    if cut is None:
+        cut = (torch.full(temperature.shape, -math.inf), torch.full(temperature.shape, v))
+    return (torch.stack([temperature.float(), cut[0].float()], 1),
+            torch.cat([cut[1][:, None], seeds], 1))
 
 
 def _row_args(batch, row_req: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
@@ -1188,9 +1189,9 @@ def match_processed(x: torch.Tensor, m: torch.Tensor, filters: processing.RowFil
         per_row = (*per_row, cut_v, cut_i)
     # (compiled shapes are dynamic except for sizes of 1: a single row or request goes
     # twice, a single draft gets a placeholder after it, which never matches)
+    if x.shape[0] == 1:
+        per_row = _two_rows(len(per_row), per_row, widths=False)
     with _normal_tensors():
-        if x.shape[0] == 1:
-            per_row = tuple(t if t is None else torch.cat([t, t]) for t in per_row)
         if n == 1:
             rows, d = torch.cat([rows, rows]), torch.cat([d, d])
         if k == 1:
