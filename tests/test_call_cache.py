@@ -323,10 +323,13 @@ def test_call_key_tells_calls_apart(cuda_like, monkeypatch):
     assert _verify_key(batch, x, ids, torch.tensor([2, 1])) is None  # (no max_num_draft_tokens)
     device_counts = _verify_key(batch, x, ids, torch.tensor([2, 1]), max_num_draft_tokens=2)
     assert device_counts is not None and len(device_counts[1]) == 4
-    general = _batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3)
+    general = _batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3, logprobs=0)
     assert _verify_key(general, x, ids, [2, 1]) is None
-    # (logit_bias / penalties alone run in the kernels: recorded like any fused call)
+    # (logit_bias / penalties, with or without filters, run in the kernels: recorded like any
+    # fused call)
     assert _verify_key(_batch(n=2, vocab=8, repetition_penalty=1.2), x, ids, [2, 1]) is not None
+    assert _verify_key(_batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3), x, ids,
+                       [2, 1]) is not None
     with call_cache.disabled():
         assert _verify_key(batch, x, ids, [2, 1]) is None
 
@@ -396,7 +399,9 @@ def _same(a, b):
     ("device_counts", {"temperature": 1.0}, True),
     ("draft_probs", {"temperature": 1.0, "top_p": 0.9}, True),
     ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "logit_bias": {3: 2.0}}, True),
-    ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "top_k": 20}, False),
+    ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "top_k": 20}, True),
+    ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "top_k": 20, "logprobs": 0},
+     False),
 ])
 def test_gpu_verify_replays_token_for_token(kind, params, replays):
     dev = torch.device("cuda")

@@ -39,7 +39,9 @@ FILTERS = [dict(top_k=7, top_p=0.9, min_p=0.01), dict(top_k=1), dict(top_p=1e-6)
 
 def _params(gen: torch.Generator, n: int, *, processors: bool | str) -> list[SamplingParams]:
     """Mixed temperatures; with ``processors`` every other request sets bias, penalties and
-    filters (the general path), with ``processors="filters"`` only filters (the fused path)."""
+    filters (the fused path; the general path with a draft distribution, or with
+    ``processors="bans"``, which adds a bad word), with ``processors="filters"`` only filters
+    (the fused path)."""
     out = []
     for i in range(n):
         t = [0.0, 0.7, 1.0, 1e-5, 1.5][int(torch.randint(0, 5, (), generator=gen))]
@@ -49,12 +51,14 @@ def _params(gen: torch.Generator, n: int, *, processors: bool | str) -> list[Sam
         elif processors and i % 2:
             kw = dict(top_k=7, top_p=0.9, min_p=0.01, presence_penalty=0.4,
                       repetition_penalty=1.2, logit_bias={3 % 2: 1.5})
+            if processors == "bans":
+                kw |= dict(bad_words_token_ids=[[5]])
         out.append(SamplingParams(temperature=t, seed=1000 + i, **kw))
     return out
 
 
 def _case(seed: int, n: int, vocab: int, dtype, kind: str, *, draft_vocab: int | None = None,
-          processors: bool = False, placeholders: bool = False):
+          processors: bool | str = False, placeholders: bool = False):
     gen = torch.Generator().manual_seed(seed)
     ks = [int(torch.randint(0, 5, (), generator=gen)) for _ in range(n)]
     rows = n + sum(ks)
@@ -390,11 +394,14 @@ def test_filtered_path_edge_rows(rows):
     _compare(logits, d, ks, batch, pos, extra, "token")
 
 
-@pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
-def test_general_path_matches(kind):
-    case = _case(11, 5, 200, torch.bfloat16, kind, processors=True)
-    _, path = _compare(*case, "token")
-    assert path == "triton.verify.general"
+@pytest.mark.parametrize("kind,processors,path", [
+    ("onehot", "bans", "triton.verify.general"),
+    ("draft_logits", True, "triton.verify.general"),
+    ("onehot", True, "triton.verify.filtered")])  # (bias, penalties and filters in the kernels)
+def test_general_path_matches(kind, processors, path):
+    case = _case(11, 5, 200, torch.bfloat16, kind, processors=processors)
+    _, ran = _compare(*case, "token")
+    assert ran == path
 
 
 def test_placeholders_and_invalid_rows():

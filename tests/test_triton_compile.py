@@ -142,12 +142,13 @@ def _verify(seed, vocab, dtype, kind, method, processors, lps):
     specsample.verify(logits, d, ks, batch, positions=pos, method=method, strict=False, **extra)
 
 
-def _penalised_verify(dtype, separate: bool = False):
-    """verify() of one-hot drafts with logit_bias and penalties applied in the kernels."""
+def _penalised_verify(dtype, separate: bool = False, filters: dict | None = None):
+    """verify() of one-hot drafts with logit_bias and penalties applied in the kernels (and
+    ``filters``, cut on the processed rows)."""
     from test_triton_penalties import CASES
     from test_triton_penalties import _case as _pen_case
 
-    logits, d, ks, batch, pos = _pen_case(2, 4, 300, dtype, CASES[3][1])
+    logits, d, ks, batch, pos = _pen_case(2, 4, 300, dtype, CASES[3][1] | (filters or {}))
     with triton_backend.separate_launches() if separate else contextlib.nullcontext():
         specsample.verify(logits, d, ks, batch, positions=pos, strict=False)
 
@@ -192,6 +193,10 @@ def _calls():
     yield lambda: _sample(fp16, 300, [(0.7, None, "raw", GENERAL), (0.0, None, "raw", GENERAL)])
     yield lambda: _penalised_verify(bf16)
     yield lambda: _penalised_verify(fp32, separate=True)
+    # ... with the filters (PEN 2), and logit_bias alone with them (PEN 1)
+    yield lambda: _penalised_verify(bf16, filters=dict(top_k=5, top_p=0.9, min_p=0.01))
+    yield lambda: _sample(fp16, 300, [(0.7, None, "raw", dict(logit_bias={3: 1.5}, top_p=0.9)),
+                                      (1.0, None, "raw", dict(logit_bias={4: 1.0}, min_p=0.1))])
     for i, (kind, method, processors, dtype, lps) in enumerate([
             ("onehot", "token", False, bf16, None),
             ("onehot", "token", False, fp16, rp),

@@ -92,18 +92,25 @@ def _plain(batch: SamplingBatch) -> SamplingBatch:
     return SamplingBatch.from_params(params, vocab_size=batch.vocab_size, device=DEVICE)
 
 
-@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_verify_matches_torch_backend(name, kw, dtype):
-    vocab = 2 * 2048 + 37  # three tiles: bias entries and seen tokens in several of them
-    logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, kw)
+def _verify_as_torch(logits, d, ks, batch, pos, path: str):
+    """Triton verify() of the case on ``path`` with processing in the kernels, checked
+    against the torch backend (tokens, accepted counts, no invalid request); its output."""
     out, counts = _triton_verify(logits, d, ks, batch, pos)
-    assert "triton.verify.fused" in counts and "triton.processing.fused" in counts
+    assert path in counts and "triton.processing.fused" in counts
     assert not any(p.endswith(".general") for p in counts)
     ref, ref_err = _torch_verify(logits, d, ks, batch, pos)
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
     assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
     assert not out.invalid.any() and not ref_err.any()
+    return out
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verify_matches_torch_backend(name, kw, dtype):
+    vocab = 2 * 2048 + 37  # three tiles: bias entries and seen tokens in several of them
+    logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, kw)
+    out = _verify_as_torch(logits, d, ks, batch, pos, "triton.verify.fused")
     if name != "boost":  # (power: without the processors the tokens differ)
         plain, _ = _triton_verify(logits, d, ks, _plain(batch), pos)
         assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
@@ -208,11 +215,96 @@ def test_long_history_and_persistent_batch():
     assert int(batch.output_counts.sum()) == 3 * 30_003
 
 
-def test_filters_and_bans_keep_the_general_path():
+# (name, processors, filters) of requests that combine them: the filter kernels cut the
+# processed rows. The Qwen2.5 generation defaults (repetition 1.05, top_k 20, top_p 0.8) first.
+FILTER_CASES = [
+    ("qwen-defaults", dict(repetition_penalty=1.9), dict(top_k=20, top_p=0.8)),
+    ("frequency+top_p", dict(frequency_penalty=1.7, presence_penalty=0.9), dict(top_p=0.7)),
+    ("bias+min_p+top_k", dict(logit_bias={0: 4.0, 5: -30.0, 2047: 4.5, 2048: 3.5}),
+     dict(min_p=0.05, top_k=3)),
+    ("repetition+top_k", dict(repetition_penalty=2.5, presence_penalty=0.8), dict(top_k=2)),
+    # penalties that raise values: the gather reads every lane's (penalties.upper_bound)
+    ("boost+top_k", dict(frequency_penalty=-0.2, presence_penalty=-2.0), dict(top_k=3)),
+]
+
+
+@pytest.mark.parametrize("name,proc,filt", FILTER_CASES, ids=[c[0] for c in FILTER_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_filters_on_processed_rows_match_torch_backend(name, proc, filt, dtype):
+    vocab = 2 * 2048 + 37
+    logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, proc | filt)
+    out = _verify_as_torch(logits, d, ks, batch, pos, "triton.verify.filtered")
+    # power: the processors alone, and the filters alone, give other tokens (the same
+    # logits, drafts and seeds: _case draws them whatever the parameters)
+    for part in (proc, filt):
+        _, _, _, other_batch, _ = _case(3, 6, vocab, dtype, part)
+        other, _ = _triton_verify(logits, d, ks, other_batch, pos)
+        assert not torch.equal(other.token_ids.cpu(), out.token_ids.cpu()), part
+
+
+def test_filters_on_processed_rows_overflow_and_sample():
+    # Flat rows with top_p 0.95: the nucleus overflows the candidate buffer, so the serial
+    # search reads the processed rows (counted); sample() takes the same kernels.
+    vocab = 3000
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(5, vocab, generator=gen) * 0.3).to(torch.bfloat16).to(DEVICE)
+    outputs = [[int(t) for t in torch.randint(0, vocab, (400,), generator=gen)]
+               for _ in range(5)]
+    params = [SamplingParams(temperature=1.0, seed=20 + i, top_p=0.95, frequency_penalty=0.4,
+                             logit_bias={7 * i: 2.0}) for i in range(5)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=outputs)
+    pos = torch.arange(5, device=DEVICE)
+    before = triton_backend.filter_serial_rows(DEVICE)
+    paths.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.sample(logits, batch, positions=pos, strict=False)
+        mp.setenv("SPECSAMPLE_BACKEND", "torch")
+        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    counts = paths.counts()
+    assert "triton.sample.filtered" in counts and "triton.processing.fused" in counts
+    assert triton_backend.filter_serial_rows(DEVICE) - before == 5
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+
+
+@pytest.mark.parametrize("proc,top_k,want", [
+    (dict(presence_penalty=-2.0, frequency_penalty=-0.2), 2, {300, 5}),  # (raise D to 11)
+    # (a bias raises D to 11, the repetition penalty lowers it to 10.48: the cut is D's, and
+    # must be its processed value)
+    (dict(logit_bias={300: 3.0}, repetition_penalty=1.05), 1, {300}),
+    (dict(repetition_penalty=1.3, presence_penalty=0.5), 2, {5, 2048 + 7})])  # (lower D)
+def test_candidates_raised_by_processing(proc, top_k, want):
+    # Three tiles with maxima A = 10 (tile 0), B = 9, C = 8.5; token D = 8 in tile 0, seen 5
+    # times. top_k's candidate bound is the k-th largest (processed) tile maximum, which raw
+    # D misses: the gather must still process D wherever processing can raise it
+    # (penalties.upper_bound), or the top 2 would be {A, B} instead of {D, A}.
+    vocab = 2 * 2048 + 37
+    n = 8
+    row = torch.full((vocab,), -4.0)
+    row[5], row[2048 + 7], row[4096 + 3], row[300] = 10.0, 9.0, 8.5, 8.0
+    logits = row.repeat(n, 1).to(DEVICE)
+    params = [SamplingParams(temperature=1.0, seed=40 + i, top_k=top_k, **proc)
+              for i in range(n)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=[[300] * 5] * n)
+    pos = torch.arange(n, device=DEVICE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.sample(logits, batch, positions=pos, strict=False)
+        mp.setenv("SPECSAMPLE_BACKEND", "torch")
+        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    got = set(out.token_ids.view(-1).tolist())
+    assert got == want, got
+
+
+def test_bans_and_logprobs_keep_the_general_path():
     # What the kernels do not apply with bias / penalties yet: the counted general path.
     vocab = 300
     logits, d, ks, batch, pos = _case(4, 4, vocab, torch.bfloat16, CASES[0][1])
-    for extra in (dict(top_k=5), dict(min_tokens=3, stop_token_ids=(4,)), dict(logprobs=0)):
+    for extra in (dict(min_tokens=3, stop_token_ids=(4,)), dict(logprobs=0),
+                  dict(top_k=5, logprobs=0)):
         params = [dataclasses.replace(p, **extra) for p in batch.params]
         b = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
                                       output_token_ids=[[1, 2]] * 4)
@@ -222,15 +314,18 @@ def test_filters_and_bans_keep_the_general_path():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [151936, 262144])
-def test_gpu_equivalence_no_host_sync_and_capture(vocab):
+@pytest.mark.parametrize("filt", [{}, dict(top_k=20, top_p=0.8), dict(top_p=0.9, min_p=0.02)],
+                         ids=["no-filter", "top_k+top_p", "top_p+min_p"])
+def test_gpu_equivalence_no_host_sync_and_capture(vocab, filt):
     # Real vocabularies: the same tokens as the torch backend; no host synchronisation; a
     # captured call replays with new logits and drafts and sees the outputs append() adds to
-    # the batch's device state between replays.
+    # the batch's device state between replays. With filters, the filter kernels cut the
+    # processed rows.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from specsample.bench import capture_graph
 
-    logits, d, ks, batch, pos = _case(11, 16, vocab, torch.bfloat16, CASES[3][1],
+    logits, d, ks, batch, pos = _case(11, 16, vocab, torch.bfloat16, CASES[3][1] | filt,
                                       history=2048)
     ks = [4] * 16  # (a fixed draft count per request: the graph's shape)
     gen = torch.Generator().manual_seed(12)
@@ -243,6 +338,7 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab):
     rows, drafts = inputs()
     out, counts = _triton_verify(rows, drafts, ks, batch, pos)
     assert "triton.processing.fused" in counts
+    assert ("triton.verify.filtered" in counts) == bool(filt)
     ref, _ = _torch_verify(rows, drafts, ks, batch, pos)
     assert torch.equal(out.token_ids, ref.token_ids)
     torch.cuda.synchronize()

@@ -92,6 +92,9 @@ OPTION_CASES = {
     # logit_bias / penalties: HISTORY output tokens per request; BIAS_TOKENS biased ids each
     "T1.0+rep1.1+pres0.5": (1.0, dict(repetition_penalty=1.1, presence_penalty=0.5)),
     "T1.0+bias16": (1.0, dict(logit_bias="random")),
+    # penalties with the filters: Qwen2.5's generation config, and top_p with presence
+    "T0.7+k20+p0.8+rep1.05": (0.7, dict(top_k=20, top_p=0.8, repetition_penalty=1.05)),
+    "T0.6+p0.9+pres0.5": (0.6, dict(top_p=0.9, presence_penalty=0.5)),
 }
 HISTORY = 2048  # output tokens per request of the penalty cases (random ids)
 BIAS_TOKENS = 16  # logit_bias entries per request of the bias case (random ids, |bias| <= 2)

@@ -390,18 +390,18 @@ class SamplingBatch:
 
     @property
     def processing_in_kernels(self) -> bool:
-        """True when the batch's processors beyond temperature are logit_bias and penalties
-        alone, without bans, min_p / top_k / top_p or logprobs: the Triton kernels apply them
+        """True when the batch sets logit_bias or penalties, with or without min_p / top_k /
+        top_p, and no bans or logprobs: the Triton kernels apply them
         (``triton_backend.fused_processing``, in calls without a draft distribution)."""
         return ((self.needs_bias or self.needs_penalties) and not self.needs_bans
-                and not self.needs_filter and self.max_logprobs < 0)
+                and self.max_logprobs < 0)
 
     @property
     def needs_general_path(self) -> bool:
         """True when a processor beyond temperature and the filters is active (bans, bias,
         penalties). On the Triton backend bans always take the counted general path, and bias
         and penalties do unless the kernels apply them (``triton_backend.fused_processing``:
-        no bans, filters, logprobs or draft distribution). Temperature and the filters
+        no bans, logprobs or draft distribution). Temperature and the filters
         (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 

@@ -10,12 +10,14 @@ Paths (``specsample.paths``):
 * ``triton.sample.fused`` / ``triton.verify.fused`` also serve logit_bias and presence /
   frequency / repetition penalties, applied as the kernels load each row (``penalties``:
   the bias entries of the request, its output counts and prompt flags from the batch's
-  device state, the drafts before the row), when the batch has no bans, min_p, top_k,
-  top_p or logprobs and the call no draft distribution (:func:`fused_processing`); the path
-  ``triton.processing.fused`` counts those rows.
+  device state, the drafts before the row), when the batch has no bans or logprobs and the
+  call no draft distribution (:func:`fused_processing`); the path ``triton.processing.fused``
+  counts those rows. With min_p / top_k / top_p too, the filter kernels read the rows
+  processed the same way (``triton.*.filtered``).
 * ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, or logit_bias /
-  penalties beyond what the kernels apply; the processed float32 logits are materialised by
-  ``specsample.processing`` (PyTorch), then the same kernels run on them (a counted fallback).
+  penalties beyond what the kernels apply (with logprobs, or a draft distribution); the
+  processed float32 logits are materialised by ``specsample.processing`` (PyTorch), then the
+  same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
   deterministic trees, the same launches over the node rows (``tree.py``);
   ``triton.verify_tree.walk``: without logprobs, their walk and outputs in one more launch.
@@ -140,8 +142,9 @@ MERGED_PROBS_MAX_ROWS = 64
 
 def fused_processing(plan: Plan) -> bool:
     """Whether the kernels apply the batch's logit_bias and penalties themselves
-    (``penalties``) instead of the general path: a batch that sets some of them, without bans,
-    min_p / top_k / top_p or logprobs, in a call without draft_logits / draft_probs."""
+    (``penalties``; the filter kernels too, on the processed rows) instead of the general
+    path: a batch that sets some of them, without bans or logprobs, in a call without
+    draft_logits / draft_probs."""
     return plan.batch.processing_in_kernels and not plan.has_draft_dist and not _GENERAL.get()
 
 
@@ -309,11 +312,15 @@ def filter_histogram_rows(device="cuda") -> int:
     return _read_counter(device, 1, "filter_histogram_rows")
 
 
-def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
+def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int,
+                 pen_args: tuple, pen: bool):
     """Launch the filter kernels (``filters``): each row's candidate bounds and the gather of
     its candidates (skipped when no request has top_k or top_p), select each row's cut (and
     the tile sums of rows cut from their candidates), rewrite the other filtered rows' tile
-    sums to the survivors'. Returns (cut_v [T] float32, cut_i [T] int32)."""
+    sums to the survivors'. With ``pen`` (:func:`fused_processing`) the kernels read the rows
+    processed with the batch's logit_bias and penalties (``pen_args``, :func:`_pen_args`) and
+    key them as float32 values (a processed value need not be one of the model dtype's).
+    Returns (cut_v [T] float32, cut_i [T] int32)."""
     batch, dev = plan.batch, x.device
     rows = plan.num_rows
     warps = NUM_WARPS if not _interpreting(dev) else 1
@@ -331,27 +338,33 @@ def _run_filters(x, plan: Plan, temp, draft_ids, parts, s: int, tiles, nt: int):
     row_args = (x, x.stride(0), plan.vocab_size, plan.row_req, plan.row_j, draft_ids,
                 plan.draft_start, plan.k_given, temp, batch.top_k, batch.top_p, batch.min_p,
                 *parts, s, tiles[0], tiles[1], tiles[2], nt)
-    meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=_KEY_SHIFT[x.dtype],
+    shift = 0 if pen else _KEY_SHIFT[x.dtype]
+    pen_kind = _pen_kind(plan, pen)
+    options = PEN_OPTIONS if pen else {}
+    meta = dict(CAP=cap, NT_PAD=triton.next_power_of_2(nt), SHIFT=shift, PEN=pen_kind,
                 S_MAX=S_MAX, BLOCK=BLOCK)
     if batch.needs_rank_filter:  # (min_p alone: its cut needs no candidates)
         bnd = workspace.scratch("filter.bnd", (rows, 4), torch.int64, dev)
         mt = workspace.scratch("filter.mt", (rows, 2), torch.float32, dev)
         launch(filters.bounds_kernel)[(rows,)](*row_args, bnd, mt, count,
                                                NT_PAD=meta["NT_PAD"],
-                                               SHIFT=meta["SHIFT"], S_MAX=S_MAX, BLOCK=BLOCK,
+                                               SHIFT=shift, S_MAX=S_MAX, BLOCK=BLOCK,
                                                num_warps=warps)
         launch(filters.gather_kernel)[(rows, sg)](
             x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tps, bnd, mt,
-            cand, count, tail, CAP=cap, SHIFT=meta["SHIFT"], BLOCK=BLOCK, num_warps=warps)
+            cand, count, tail, plan.row_req, plan.row_j, draft_ids, plan.draft_start,
+            *pen_args, CAP=cap, SHIFT=shift, PEN=pen_kind, BLOCK=BLOCK, num_warps=warps,
+            **options)
     hist = workspace.scratch("filter.hist", (rows, filters.NB.value), torch.int32, dev)
     done = workspace.scratch("filter.done", (rows,), torch.int32, dev)
     launch(filters.select_kernel)[(rows,)](*row_args, sg, cand, count, tail, cut_v, cut_i,
-                                           _filter_counters(dev), hist, done, **meta,
-                                           num_warps=warps)
+                                           _filter_counters(dev), hist, done, *pen_args,
+                                           **meta, num_warps=warps, **options)
     sr, tpr, _ = _splits(rows, plan.vocab_size, 1, dev)
     launch(filters.rewrite_kernel)[(rows, sr)](
         x, x.stride(0), plan.vocab_size, tiles[0], tiles[1], tiles[2], nt, tpr, temp,
-        plan.row_req, cut_v, cut_i, done, BLOCK=BLOCK, num_warps=warps)
+        plan.row_req, cut_v, cut_i, done, plan.row_j, draft_ids, plan.draft_start, *pen_args,
+        PEN=pen_kind, BLOCK=BLOCK, num_warps=warps, **options)
     return cut_v, cut_i
 
 
@@ -451,7 +464,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     cut_v, cut_i = part_m, part_f
     if filtered:
         cut_v, cut_i = _run_filters(x, plan, temp, draft_ids, (part_m, part_s, part_f), s,
-                                    tiles, nt)
+                                    tiles, nt, pen_args, pen)
     dparts, ds = draft_parts or ((part_m, part_s, part_f), 1)
     dstats = stats if draft is None else draft[2]
     draft_kind = 0 if draft is None else 1 + int(draft[1])
@@ -796,6 +809,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                                  frequency_penalty=0.2)],
                  [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
                   SamplingParams(temperature=0.8, seed=1, logit_bias={1: -0.5})]]
+    # and with min_p / top_k / top_p: the filter kernels on the processed rows
+    penalised += [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
+                  for p, q in penalised]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
 
@@ -809,7 +825,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
                 drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
                                        device=device)
-                for plist in (params, general, *penalised):  # (general: float32 rows)
+                for plist in (params, general, *penalised[:2]):  # (general: float32 rows)
                     for lp in (None, 0) if plist in (params, general) else (None,):
                         batch = SamplingBatch.from_params(
                             [dataclasses.replace(p, logprobs=lp) for p in plist],

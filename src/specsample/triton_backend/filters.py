@@ -30,6 +30,13 @@ float64, top_k by rank, top_p on float64 masses. Four launches after the statist
    filtered distribution with the same three-level Gumbel-max as without filters. A row cut
    from its candidates holds every survivor in them: ``select_kernel`` writes its sums from
    there and this pass skips it (no second read of its tiles).
+
+With logit_bias or penalties (PEN 1 or 2, ``triton_backend.fused_processing``) every read of
+a row goes through ``penalties.process`` (:func:`_load_values`), so the cut is that of the
+processed row z, as docs/semantics.md orders them (bias -> penalties -> temperature -> min_p
+-> top_k -> top_p). Its keys are then float32 keys (SHIFT 0: a biased or penalised value need
+not be a bf16 / fp16 value), so its overflowing rows take the serial search, as float32 rows
+do.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _k_eff, _load_tiles, _row_stats
+from .penalties import process, process_where, setup, upper_bound
 
 INT_MAX = tl.constexpr(2147483647)
 NQ = tl.constexpr(16)  # thresholds evaluated per pass of the search
@@ -74,17 +82,41 @@ def _pick(vec, offs, idx):
 
 
 @triton.jit
-def _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT: tl.constexpr):
-    """Values (float32), keys and survivor flags of the cut (key > cut_key, or key == cut_key
-    and id <= cut_i) at token ids ``offs`` of a row."""
-    y = tl.load(x_ptr + row_off + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+def _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr, pen_ptrs):
+    """:func:`_load_values`' ``src`` of row ``r``; ``pen_ptrs`` the kernel's ``penalties``
+    arguments (rep .. bias values, draft ids, draft_start)."""
+    return (x_ptr + r.to(tl.int64) * stride, tl.load(row_req_ptr + r), tl.load(row_j_ptr + r),
+            pen_ptrs)
+
+
+@triton.jit
+def _load_values(src, V, offs, lo, PEN: tl.constexpr):
+    """Float32 values at token ids ``offs`` (lo <= offs < lo + len(offs); -inf at ids >= V) of
+    the row ``src`` = (pointer to its first logit, its request, its index j in the request,
+    the ``penalties`` arguments): the logits as they are, or with PEN (1 logit_bias, 2
+    penalties too) the processed z of ``penalties.process``, on which the filters decide
+    (docs/semantics.md, "Filters in float32")."""
+    base, req, j, pen = src
+    y = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    if PEN:
+        y, _st = process(y, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, pen), pen,
+                         PEN == 2)
+    return y
+
+
+@triton.jit
+def _load_keys(src, V, offs, lo, cut_key, cut_i, SHIFT: tl.constexpr, PEN: tl.constexpr):
+    """Values (float32, :func:`_load_values`), keys and survivor flags of the cut (key >
+    cut_key, or key == cut_key and id <= cut_i) at token ids ``offs`` (from ``lo``) of a row."""
+    y = _load_values(src, V, offs, lo, PEN)
     k = _key(y, SHIFT)
     return y, k, (k > cut_key) | ((k == cut_key) & (offs <= cut_i))
 
 
 @triton.jit
-def _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, cut_i,
-                NEED_MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _count_mass(src, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, cut_i,
+                NEED_MASS: tl.constexpr, SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """For each threshold key of ``thr`` [NQ]: how many survivors of (cut_key, cut_i) have a key
     >= it, and (NEED_MASS) their mass sum exp((y - m) / t) in float64. Reads only the tiles
     whose maximum (``ttop_ptr``: the row's tile maxima) has a key >= ``prune_key`` (no element
@@ -95,7 +127,8 @@ def _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, 
         if _key(tl.load(ttop_ptr + tile), SHIFT) >= prune_key:
             for sub in range(0, BLOCK, SUB):
                 offs = tile * BLOCK + sub + tl.arange(0, SUB)
-                y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
+                y, k, alive = _load_keys(src, V, offs, tile * BLOCK + sub, cut_key, cut_i,
+                                         SHIFT, PEN)
                 ge = (k[None, :] >= thr[:, None]) & alive[None, :]
                 cnt += tl.sum(ge.to(tl.int32), axis=1)
                 if NEED_MASS:
@@ -106,8 +139,9 @@ def _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, 
 
 
 @triton.jit(noinline=True)  # (a body of its own: the kernel's stays smaller to compile)
-def _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
-            cut_key, cut_i, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _search(src, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
+            cut_key, cut_i, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """The largest key in [lo, hi) whose count (or float64 mass) of survivors at or above it
     reaches the goal, by a 16-ary search; ``lo`` must satisfy it (else ``lo - 1`` comes back,
     meaning no key does), and ``hi`` must not."""
@@ -119,8 +153,8 @@ def _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t
         thr = lo + q * step
         thr = tl.where(thr < hi, thr, hi)  # never true at hi
         prune = tl.where(first, lo, lo + step)
-        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, prune, m, t,
-                                cut_key, cut_i, BY_MASS, SHIFT, BLOCK)
+        cnt, mass = _count_mass(src, V, ttop_ptr, NT, thr, prune, m, t,
+                                cut_key, cut_i, BY_MASS, SHIFT, PEN, BLOCK)
         if BY_MASS:
             cond = mass >= goal_mass
         else:
@@ -139,25 +173,27 @@ def _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t
 
 
 @triton.jit
-def _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, key, n, cut_key, cut_i,
-             SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _nth_tie(src, V, ttop_ptr, NT, key, n, cut_key, cut_i,
+             SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """Id of the n-th (1-based, id order) survivor of (cut_key, cut_i) whose key is ``key``
     (``ttop_ptr``: the row's tile maxima)."""
-    return _find_nth_tie(x_ptr, row_off, V, ttop_ptr, NT, tl.cast(key, tl.int64),
+    return _find_nth_tie(src, V, ttop_ptr, NT, tl.cast(key, tl.int64),
                          tl.cast(n, tl.int32), tl.cast(cut_key, tl.int64),
-                         tl.cast(cut_i, tl.int32), SHIFT, BLOCK)
+                         tl.cast(cut_i, tl.int32), SHIFT, PEN, BLOCK)
 
 
 @triton.jit(noinline=True)  # (one body for the four calls, their types made alike: compile time)
-def _find_nth_tie(x_ptr, row_off, V, ttop_ptr, NT, key, n, cut_key, cut_i,
-                  SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _find_nth_tie(src, V, ttop_ptr, NT, key, n, cut_key, cut_i,
+                  SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """:func:`_nth_tie`."""
     seen = 0
     found = INT_MAX
     for tile in range(0, NT):
         if (found == INT_MAX) & (_key(tl.load(ttop_ptr + tile), SHIFT) >= key):
-            offs = tile * BLOCK + tl.arange(0, BLOCK)  # (a whole tile per load: one
-            y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)  # wait)
+            offs = tile * BLOCK + tl.arange(0, BLOCK)  # (a whole tile per load: one wait)
+            y, k, alive = _load_keys(src, V, offs, tile * BLOCK, cut_key, cut_i, SHIFT, PEN)
             eq = (k == key) & alive & (offs < V)
             run = seen + tl.cumsum(eq.to(tl.int32), axis=0)
             hit = tl.min(tl.where(eq & (run == n), offs, INT_MAX), axis=0)
@@ -274,11 +310,15 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, bnd_ptr,
-                  mt_ptr, cand_ptr, count_ptr, tail_ptr, CAP: tl.constexpr,
-                  SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+                  mt_ptr, cand_ptr, count_ptr, tail_ptr, row_req_ptr, row_j_ptr, draft_ids_ptr,
+                  draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
+                  bstart_ptr, bids_ptr, bval_ptr, CAP: tl.constexpr, SHIFT: tl.constexpr,
+                  PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles), with the row's bounds from ``bounds_kernel``: append the
     candidates (key >= L) to the row's buffer (``count`` [T] must be zero before) and write
-    the float64 mass of the tokens below L that top_p's total needs (``tail`` [T, splits])."""
+    the float64 mass of the tokens below L that top_p's total needs (``tail`` [T, splits]).
+    PEN: the rows are processed as they are loaded (:func:`_load_values`; ``rep_ptr`` ..
+    ``bval_ptr`` as ``kernels.stats_kernel``'s)."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     o = r.to(tl.int64) * 4
@@ -292,14 +332,30 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
         t = tl.load(mt_ptr + r.to(tl.int64) * 2 + 1)
         need_tail = (flags & 2) != 0
         min_on = (flags & 4) != 0
-        lowest = _key(tl.full((), -float("inf"), tl.float32), SHIFT) + 1
-        row_off = r.to(tl.int64) * stride
+        base, req, j, pen = _row_src(
+            x_ptr, stride, r, row_req_ptr, row_j_ptr,
+            (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+             bval_ptr, draft_ids_ptr, draft_start_ptr))
+        bmax = 0.0
+        need_key = lo
+        if PEN:
+            # Without top_p's tail, only a token that can reach L needs its penalties: when
+            # they can only lower values, fl(x + the largest bias) bounds the processed value
+            # (else every lane: the key of -inf)
+            bmax, bounded = upper_bound(req, pen)
+            need_key = tl.where(bounded & ~need_tail, lo,
+                                _key(tl.full((), -float("inf"), tl.float32), SHIFT))
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             tk = _key(tl.load(tiletop_ptr + o_t), SHIFT)
             if tk >= read:  # (the whole tile in one load)
                 offs = tile * BLOCK + tl.arange(0, BLOCK)
-                y, k, _alive = _load_keys(x_ptr, row_off, V, offs, lowest, 0, SHIFT)
+                y = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+                if PEN:
+                    need = _key(y + bmax, SHIFT) >= need_key
+                    y, _st = process_where(y, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j,
+                                           setup(tile * BLOCK, req, pen), pen, need, PEN == 2)
+                k = _key(y, SHIFT)
                 cand = (k >= lo) & (offs < V)
                 # a slot per candidate from its own atomic (no scan, no barrier: the buffer's
                 # order does not matter, select_kernel sorts it)
@@ -320,8 +376,9 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
 
 
 @triton.jit(noinline=True)
-def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, lowest,
-                c_key, lo, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _serial_cut(src, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, lowest,
+                c_key, lo, SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """The cut (key, id) by the serial 16-ary search (rows with too many candidates; ``lo``
     and ``c_key`` from :func:`_bounds`, ``ttop_ptr`` the row's tile maxima)."""
     cut_key = c_key
@@ -330,54 +387,56 @@ def _serial_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT,
     m64 = m.to(tl.float64)
     t64 = t.to(tl.float64)
     if k_on:  # the k-th largest survivor, from _bounds' k-th largest tile maximum
-        kk = _search(x_ptr, row_off, V, ttop_ptr, NT, lo, hi, top_k, 0.0, m, t,
-                     cut_key, cut_i, False, SHIFT, BLOCK)
+        kk = _search(src, V, ttop_ptr, NT, lo, hi, top_k, 0.0, m, t,
+                     cut_key, cut_i, False, SHIFT, PEN, BLOCK)
         if kk >= lo:  # else fewer than k survivors: no cut
-            above, _m = _count_mass(x_ptr, row_off, V, ttop_ptr, NT,
+            above, _m = _count_mass(src, V, ttop_ptr, NT,
                                     tl.zeros([NQ], tl.int64) + kk + 1, kk + 1, m, t,
-                                    cut_key, cut_i, False, SHIFT, BLOCK)
+                                    cut_key, cut_i, False, SHIFT, PEN, BLOCK)
             need = top_k - tl.max(above, axis=0)
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, kk, need, cut_key,
-                             cut_i, SHIFT, BLOCK)
+            cut_i = _nth_tie(src, V, ttop_ptr, NT, kk, need, cut_key,
+                             cut_i, SHIFT, PEN, BLOCK)
             cut_key = kk
     if p_on:  # top_p over the survivors so far, from the lowest surviving key
-        cnt0, mass0 = _count_mass(x_ptr, row_off, V, ttop_ptr, NT,
+        cnt0, mass0 = _count_mass(src, V, ttop_ptr, NT,
                                   tl.zeros([NQ], tl.int64) + lowest, cut_key, m, t,
-                                  cut_key, cut_i, True, SHIFT, BLOCK)
+                                  cut_key, cut_i, True, SHIFT, PEN, BLOCK)
         total = tl.max(mass0, axis=0)
         goal64 = top_p * total
-        pk = _search(x_ptr, row_off, V, ttop_ptr, NT, cut_key, hi, 0, goal64, m, t,
-                     cut_key, cut_i, True, SHIFT, BLOCK)
+        pk = _search(src, V, ttop_ptr, NT, cut_key, hi, 0, goal64, m, t,
+                     cut_key, cut_i, True, SHIFT, PEN, BLOCK)
         q = tl.arange(0, NQ)
         thr = tl.where(q == 0, pk + 1, pk)
-        cnt, mass = _count_mass(x_ptr, row_off, V, ttop_ptr, NT, thr, pk, m, t,
-                                cut_key, cut_i, True, SHIFT, BLOCK)
+        cnt, mass = _count_mass(src, V, ttop_ptr, NT, thr, pk, m, t,
+                                cut_key, cut_i, True, SHIFT, PEN, BLOCK)
         mass_gt = _pick(mass, q, 0)
         n_gt = _pick(cnt, q, 0)
         n_tie = _pick(cnt, q, 1) - n_gt
         e = tl.exp((_value(pk, SHIFT).to(tl.float64) - m64) / t64)
         n = _ties_kept(mass_gt, e, goal64, n_tie)
-        cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
-                         SHIFT, BLOCK)
+        cut_i = _nth_tie(src, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
+                         SHIFT, PEN, BLOCK)
         cut_key = pk
     return cut_key, cut_i
 
 
 @triton.jit
-def _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
-                SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+                SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """(Counts [NB] int32 of the survivors of (cut_key, cut_i) by exact key, bin b counting
     key ``hi_key - b`` for keys in [max(floor, hi_key - NB + 1), hi_key]; the largest key of
     a token in [floor, bottom of the chunk), where the next chunk starts (floor - 1 if none),
     so that empty key ranges cost nothing). The counts from :func:`_fill_hist`."""
-    nxt = _fill_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
-                     SHIFT, BLOCK)
+    nxt = _fill_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+                     SHIFT, PEN, BLOCK)
     return tl.load(hist_ptr + tl.arange(0, NB), volatile=True), nxt
 
 
 @triton.jit(noinline=True)  # (one body for the three calls of _hist_cut: compile time)
-def _fill_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
-               SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _fill_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
+               SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """:func:`_chunk_hist`'s counts, written to the row's scratch ``hist_ptr`` [NB] (every
     thread's writes done on return), and its next key. One read of the tiles whose maximum
     (``ttop_ptr``: the row's tile maxima) reaches the chunk's bottom, a whole tile per load
@@ -396,7 +455,7 @@ def _fill_hist(x_ptr, row_off, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, h
             nxt = tl.maximum(nxt, tk)
         if tk >= bottom:
             offs = tile * BLOCK + tl.arange(0, BLOCK)
-            y, k, alive = _load_keys(x_ptr, row_off, V, offs, cut_key, cut_i, SHIFT)
+            y, k, alive = _load_keys(src, V, offs, tile * BLOCK, cut_key, cut_i, SHIFT, PEN)
             alive &= offs < V
             inr = alive & (k >= bottom) & (k <= hi_key)
             tl.atomic_add(hist_ptr + tl.where(inr, hi_key - k, 0), 1, mask=inr, sem="relaxed")
@@ -419,8 +478,9 @@ def _bin_mass(h, hi_key, m, t, SHIFT: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c_key,
-              lo, tail, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _hist_cut(src, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c_key,
+              lo, tail, hist_ptr, SHIFT: tl.constexpr, PEN: tl.constexpr,
+                BLOCK: tl.constexpr):
     """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts (``lo``
     and ``c_key`` from :func:`_bounds`, ``tail`` from :func:`_tail_mass`), and
     whether it was found (else the serial search runs: the tokens from the row's maximum down
@@ -447,8 +507,8 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c
         kk = c_key
         need = 0
         while (need == 0) & (j < NCH) & (hi >= floor):
-            h, nxt = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi, floor, c_key,
-                                 INT_MAX + 0 * NT, hist_ptr, SHIFT, BLOCK)
+            h, nxt = _chunk_hist(src, V, ttop_ptr, NT, hi, floor, c_key,
+                                 INT_MAX + 0 * NT, hist_ptr, SHIFT, PEN, BLOCK)
             run = seen + tl.cumsum(h, axis=0)
             bk = tl.min(tl.where(run >= top_k, b, NB), axis=0)
             if bk < NB:
@@ -458,8 +518,8 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c
             hi = nxt
             j += 1
         if need > 0:
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, kk, need, c_key,
-                             INT_MAX + 0 * NT, SHIFT, BLOCK)
+            cut_i = _nth_tie(src, V, ttop_ptr, NT, kk, need, c_key,
+                             INT_MAX + 0 * NT, SHIFT, PEN, BLOCK)
             cut_key = kk
         else:  # fewer than k survivors (no cut) only if every key down to the floor was seen
             ok = hi < floor
@@ -473,8 +533,8 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c
         j = 0
         hi = top
         while (j < NCH) & (hi >= floor):
-            h_last, nxt = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hi, floor,
-                                      cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
+            h_last, nxt = _chunk_hist(src, V, ttop_ptr, NT, hi, floor,
+                                      cut_key, cut_i, hist_ptr, SHIFT, PEN, BLOCK)
             mass, _e = _bin_mass(h_last, hi, m, t, SHIFT)
             cm = tl.where(q == j, tl.sum(mass, axis=0), cm)
             his = tl.where(q == j, hi, his)
@@ -492,15 +552,15 @@ def _hist_cut(x_ptr, row_off, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c
             h = h_last
             hc = _pick(his, q, jc)
             if jc != j - 1:
-                h, _n = _chunk_hist(x_ptr, row_off, V, ttop_ptr, NT, hc, floor,
-                                    cut_key, cut_i, hist_ptr, SHIFT, BLOCK)
+                h, _n = _chunk_hist(src, V, ttop_ptr, NT, hc, floor,
+                                    cut_key, cut_i, hist_ptr, SHIFT, PEN, BLOCK)
             mass, e = _bin_mass(h, hc, m, t, SHIFT)
             m_before = _pick(before, q, jc) + tl.cumsum(mass, axis=0) - mass
             bp = tl.max(tl.where((h > 0) & (m_before < goal), b, -1), axis=0)
             pk = hc - bp
             n = _ties_kept(_pick(m_before, b, bp), _pick(e, b, bp), goal, _pick(h, b, bp))
-            cut_i = _nth_tie(x_ptr, row_off, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
-                             SHIFT, BLOCK)
+            cut_i = _nth_tie(src, V, ttop_ptr, NT, pk, n, cut_key, cut_i,
+                             SHIFT, PEN, BLOCK)
             cut_key = pk
     return cut_key, cut_i, ok
 
@@ -531,13 +591,16 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                   NT, SG, cand_ptr, count_ptr, tail_ptr, cut_v_ptr, cut_i_ptr, serial_ptr,
-                  hist_ptr, done_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr,
-                  SHIFT: tl.constexpr, S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  hist_ptr, done_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
+                  bstart_ptr, bids_ptr, bval_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr,
+                  SHIFT: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
     row's sorted candidates (or the serial search when they overflowed ``CAP``). Rows that are
     not live, greedy, invalid or unfiltered get (-inf, INT_MAX). A row cut from its candidates
     holds all its survivors in them: its tile sums are rewritten here (``done`` [T] int32 = 1,
-    ``rewrite_kernel`` skips it); others get ``done`` = 0."""
+    ``rewrite_kernel`` skips it); others get ``done`` = 0. PEN: as :func:`gather_kernel`'s
+    (the serial search reads the processed rows)."""
     r = tl.program_id(0)
     done = r * 0
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
@@ -595,21 +658,25 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                         tl.store(tilesum_ptr + o_r + g + tg, sums, mask=g + tg < NT)
                     done = r * 0 + 1
             if serial:
+                src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
+                               (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
+                                bstart_ptr, bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
                 found = False
-                if SHIFT > 0:  # (float32 values are nearly all distinct: a key per token)
+                # (float32 values, and processed rows, are nearly all distinct: a key per token)
+                if SHIFT > 0 and PEN == 0:
                     cut_key, cut_i, found = _hist_cut(
-                        x_ptr, r.to(tl.int64) * stride, V, m, t, top_k, top_p, k_on, p_on,
+                        src, V, m, t, top_k, top_p, k_on, p_on,
                         tiletop_ptr + r.to(tl.int64) * NT, NT, c_key, lo,
                         _tail_mass(tail_ptr, r, SG),
-                        hist_ptr + r.to(tl.int64) * NB, SHIFT, BLOCK)
+                        hist_ptr + r.to(tl.int64) * NB, SHIFT, PEN, BLOCK)
                 if found:
                     tl.atomic_add(serial_ptr + 1, 1)
                 else:
                     tl.atomic_add(serial_ptr, 1)
-                    cut_key, cut_i = _serial_cut(x_ptr, r.to(tl.int64) * stride, V, m, t,
+                    cut_key, cut_i = _serial_cut(src, V, m, t,
                                                  top_k, top_p, k_on, p_on,
                                                  tiletop_ptr + r.to(tl.int64) * NT, NT,
-                                                 lowest, c_key, lo, SHIFT, BLOCK)
+                                                 lowest, c_key, lo, SHIFT, PEN, BLOCK)
     tl.store(cut_v_ptr + r, _value(cut_key, SHIFT))
     tl.store(cut_i_ptr + r, cut_i)
     tl.store(done_ptr + r, done)
@@ -617,11 +684,14 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
 
 @triton.jit(do_not_specialize=["NT", "TPS"])
 def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
-                   row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, BLOCK: tl.constexpr):
+                   row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, row_j_ptr, draft_ids_ptr,
+                   draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
+                   bstart_ptr, bids_ptr, bval_ptr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf) that ``select_kernel``
     did not rewrite (``done`` 0: min_p alone, or candidates that overflowed): each tile's sum
     becomes the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's
-    reference ``ref``; tiles whose maximum is below the cut get 0."""
+    reference ``ref``; tiles whose maximum is below the cut get 0. PEN: as
+    :func:`gather_kernel`'s."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     cut_v = tl.load(cut_v_ptr + r)
@@ -629,15 +699,16 @@ def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, 
     if (cut_v > -float("inf")) & (tl.load(done_ptr + r) == 0):
         t = tl.load(temp_ptr + tl.load(row_req_ptr + r))
         scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
-        row_off = r.to(tl.int64) * stride
+        src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
+                       (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             acc = 0.0
             if tl.load(tiletop_ptr + o_t) >= cut_v:  # (the whole tile in one load)
                 ref = tl.load(tilemax_ptr + o_t)
                 offs = tile * BLOCK + tl.arange(0, BLOCK)
-                y = tl.load(x_ptr + row_off + offs, mask=offs < V,
-                            other=-float("inf")).to(tl.float32)
+                y = _load_values(src, V, offs, tile * BLOCK, PEN)
                 keep = ((y > cut_v) | ((y == cut_v) & (offs <= cut_i))) & (y > -float("inf"))
                 acc += tl.sum(tl.where(keep, tl.exp2((y - ref) * scale), 0.0), axis=0)
             tl.store(tilesum_ptr + o_t, acc)
