@@ -216,14 +216,15 @@ def test_long_history_and_persistent_batch():
 
 
 # (name, processors, filters) of requests that combine them: the filter kernels cut the
-# processed rows. The Qwen2.5 generation defaults (repetition 1.05, top_k 20, top_p 0.8) first.
+# processed rows. (Qwen2.5's generation defaults, repetition 1.05 with top_k 20 and top_p 0.8,
+# are a bench case; here the penalties are strong enough to change these rows' tokens.)
 FILTER_CASES = [
-    ("qwen-defaults", dict(repetition_penalty=1.9), dict(top_k=20, top_p=0.8)),
+    ("repetition+top_k+top_p", dict(repetition_penalty=1.9), dict(top_k=20, top_p=0.8)),
     ("frequency+top_p", dict(frequency_penalty=1.7, presence_penalty=0.9), dict(top_p=0.7)),
     ("bias+min_p+top_k", dict(logit_bias={0: 4.0, 5: -30.0, 2047: 4.5, 2048: 3.5}),
      dict(min_p=0.05, top_k=3)),
     ("repetition+top_k", dict(repetition_penalty=2.5, presence_penalty=0.8), dict(top_k=2)),
-    # penalties that raise values: the gather reads every lane's (penalties.upper_bound)
+    # penalties that raise values
     ("boost+top_k", dict(frequency_penalty=-0.2, presence_penalty=-2.0), dict(top_k=3)),
 ]
 
@@ -277,8 +278,8 @@ def test_filters_on_processed_rows_overflow_and_sample():
 def test_candidates_raised_by_processing(proc, top_k, want):
     # Three tiles with maxima A = 10 (tile 0), B = 9, C = 8.5; token D = 8 in tile 0, seen 5
     # times. top_k's candidate bound is the k-th largest (processed) tile maximum, which raw
-    # D misses: the gather must still process D wherever processing can raise it
-    # (penalties.upper_bound), or the top 2 would be {A, B} instead of {D, A}.
+    # D misses: the gather must process D (and every token it reads) as the statistics pass
+    # did, or the top 2 would be {A, B} instead of {D, A}, and top_k = 1's cut D's raw value.
     vocab = 2 * 2048 + 37
     n = 8
     row = torch.full((vocab,), -4.0)

@@ -195,7 +195,8 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
             not _on_cuda(logits)) or batch.needs_general_path and not (
             batch.processing_in_kernels and draft_logits is None and draft_probs is None):
         # (the general path, whose recordings would fail anyway: not worth two of them;
-        # logit_bias / penalties alone are applied in the kernels and may replay)
+        # logit_bias / penalties without bans, logprobs or a draft distribution are applied in
+        # the kernels and may replay)
         return None
     if type(method) is not str or type(max_num_draft_tokens) not in (int, type(None)):
         return None  # (validated, and refused if wrong, by the usual path)

@@ -295,7 +295,8 @@ def _read_counter(device, slot: int, name: str) -> int:
 def filter_serial_rows(device="cuda") -> int:
     """How many filtered rows took the filter kernels' serial search since the process started
     on ``device`` (rows with more than FILTER_CAP candidates, 512 on CUDA, that the histogram
-    search cannot serve: float32 logits; bf16 / fp16 rows whose tokens from the maximum down
+    search cannot serve: float32 logits; rows processed with logit_bias or penalties in the
+    kernels (keyed as float32 values); bf16 / fp16 rows whose tokens from the maximum down
     to the cut's bound need more than 16 chunks of 4,096 keys, key ranges that no token has
     being skipped; or rounding of top_p's bound). Reading it synchronises with the device.
 
@@ -800,7 +801,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)]
     filtered = [SamplingParams(temperature=0.0),
                 SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
-    general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
+    # (a bad word keeps the general path, whose kernels read float32 processed rows, whatever
+    # else the batch sets: logit_bias and filters alone would run in the kernels)
+    general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}, bad_words_token_ids=[[1]]),
                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
     # logit_bias and penalties in the kernels (fused_processing): with penalties (the counts'
     # row stride is V) and with logit_bias alone (0), which key apart when 16 does not divide V

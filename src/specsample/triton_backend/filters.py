@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _k_eff, _load_tiles, _row_stats
-from .penalties import process, process_where, setup, upper_bound
+from .penalties import process, setup
 
 INT_MAX = tl.constexpr(2147483647)
 NQ = tl.constexpr(16)  # thresholds evaluated per pass of the search
@@ -332,30 +332,16 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
         t = tl.load(mt_ptr + r.to(tl.int64) * 2 + 1)
         need_tail = (flags & 2) != 0
         min_on = (flags & 4) != 0
-        base, req, j, pen = _row_src(
-            x_ptr, stride, r, row_req_ptr, row_j_ptr,
-            (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-             bval_ptr, draft_ids_ptr, draft_start_ptr))
-        bmax = 0.0
-        need_key = lo
-        if PEN:
-            # Without top_p's tail, only a token that can reach L needs its penalties: when
-            # they can only lower values, fl(x + the largest bias) bounds the processed value
-            # (else every lane: the key of -inf)
-            bmax, bounded = upper_bound(req, pen)
-            need_key = tl.where(bounded & ~need_tail, lo,
-                                _key(tl.full((), -float("inf"), tl.float32), SHIFT))
+        lowest = _key(tl.full((), -float("inf"), tl.float32), SHIFT) + 1
+        src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
+                       (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             tk = _key(tl.load(tiletop_ptr + o_t), SHIFT)
             if tk >= read:  # (the whole tile in one load)
                 offs = tile * BLOCK + tl.arange(0, BLOCK)
-                y = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-                if PEN:
-                    need = _key(y + bmax, SHIFT) >= need_key
-                    y, _st = process_where(y, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j,
-                                           setup(tile * BLOCK, req, pen), pen, need, PEN == 2)
-                k = _key(y, SHIFT)
+                y, k, _alive = _load_keys(src, V, offs, tile * BLOCK, lowest, 0, SHIFT, PEN)
                 cand = (k >= lo) & (offs < V)
                 # a slot per candidate from its own atomic (no scan, no barrier: the buffer's
                 # order does not matter, select_kernel sorts it)

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 NO_ENTRY = tl.constexpr(2**62)  # the bias id past a request's last entry
-BIAS_STEP = tl.constexpr(64)  # bias entries per load of upper_bound
 
 
 @triton.jit
@@ -61,44 +60,14 @@ def setup(lo, req, pen):
 
 
 @triton.jit
-def upper_bound(req, pen):
-    """(b, lowers): when ``lowers``, every processed value of request ``req`` is at most
-    fl(x + b) for its raw value x (b >= 0, the request's largest logit_bias or 0): its
-    penalties can only lower a value (repetition >= 1, frequency and presence >= 0; float32
-    rounding is monotone, so fl(z / r), fl(z * r) and fl(z - fl(f c) - p) stay at or below
-    z). Lanes whose bound misses a threshold need no penalty read (:func:`process_where`)."""
-    (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
-     draft_ids_ptr, draft_start_ptr) = pen
-    a = tl.load(bstart_ptr + req)
-    e = tl.load(bstart_ptr + req + 1)
-    b = tl.zeros([BIAS_STEP], tl.float32)
-    for a0 in range(a, e, BIAS_STEP):
-        i = a0 + tl.arange(0, BIAS_STEP)
-        b = tl.maximum(b, tl.load(bval_ptr + i, mask=i < e, other=0.0))
-    lowers = (tl.load(rep_ptr + req) >= 1.0) & (tl.load(freq_ptr + req) >= 0.0) & (
-        tl.load(pres_ptr + req) >= 0.0)
-    return tl.max(b, axis=0), lowers
-
-
-@triton.jit
 def process(x, offs, lo, hi, req, j, state, pen, PENALTIES: tl.constexpr):
-    """:func:`process_where` at every lane."""
-    return process_where(x, offs, lo, hi, req, j, state, pen, True, PENALTIES)
-
-
-@triton.jit
-def process_where(x, offs, lo, hi, req, j, state, pen, need, PENALTIES: tl.constexpr):
     """``z`` (float32, the shape of ``x``) at token ids ``offs`` (lo <= offs < hi; ids >= V are the
     caller's masked lanes, kept as they are) of row ``j`` of request ``req``, from the raw float32
     values ``x`` there, and the state for the next load (ids >= hi). ``state``: :func:`setup`'s,
     from an id <= every offs (the loads of a program go up the row); the drafts d_0 .. d_{j-1} of
     the request are counted. A request's penalties are skipped where they change nothing (repetition
     1; frequency and presence 0), as they would subtract or divide exactly nothing. Without
-    PENALTIES (a batch with logit_bias alone) only the bias. ``need`` (a lane mask, or True):
-    the lanes whose penalties are read; the others get the bias alone, and at most the
-    drafts' counts (a value no greater than their true one when the penalties lower, which
-    :func:`upper_bound` says, and then only those lanes' comparisons with a bound they miss
-    may read them)."""
+    PENALTIES (a batch with logit_bias alone) only the bias."""
     (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
      draft_ids_ptr, draft_start_ptr) = pen
     a, e, tok, rep, f, p, on, ds = state
@@ -109,14 +78,14 @@ def process_where(x, offs, lo, hi, req, j, state, pen, need, PENALTIES: tl.const
     if PENALTIES and on:
         o = req.to(tl.int64) * CV + offs
         ok = offs < CV
-        c = tl.load(counts_ptr + o, mask=ok & need, other=0.0)
+        c = tl.load(counts_ptr + o, mask=ok, other=0.0)
         for jj in range(0, j):
             d = tl.load(draft_ids_ptr + ds + jj)
             if (d >= lo) & (d < hi):  # (most loads hold none of the drafts)
                 c += tl.where(offs == d, 1.0, 0.0)
         counted = c > 0
         if rep != 1.0:
-            seen = counted | (tl.load(prompt_ptr + o, mask=ok & need, other=0) != 0)
+            seen = counted | (tl.load(prompt_ptr + o, mask=ok, other=0) != 0)
             x = tl.where(seen, tl.where(x > 0, tl.div_rn(x, rep), x * rep), x)
         if (f != 0.0) | (p != 0.0):
             # (two roundings, as PyTorch's z - f * count: the kernels that call this compile
