@@ -39,6 +39,30 @@ def _dense_penalties(z: np.ndarray, params, prompts, outputs, drafts, ks) -> np.
     return z
 
 
+def test_logit_bias_is_added_at_its_tokens_of_every_row_of_the_request():
+    # Sparse: x + bias at each entry's token on every row of its request (drafts' rows too),
+    # every other value untouched bit for bit (-0.0 stays -0.0); requests without a bias and
+    # requests with entries at the vocabulary's ends
+    v = 50
+    logits = torch.randn(7, v, generator=torch.Generator().manual_seed(0))
+    logits[:, 10] = -0.0
+    biases = [{0: 1.5, 49: -2.0}, {}, {10: 0.25, 3: 3e38}]
+    params = [SamplingParams(temperature=1.0, seed=1, logit_bias=b) for b in biases]
+    batch = SamplingBatch.from_params(params, vocab_size=v)
+    ks = [2, 1, 1]
+    plan = build_plan(logits, batch, draft_token_ids=torch.tensor([4, 5, 6, 7]),
+                      num_draft_tokens=ks, draft_logits=None, draft_probs=None,
+                      positions=[0, 0, 0], method="token")
+    got = processing.apply_bias_and_penalties(logits.clone(), plan)
+    want = logits.clone()
+    r = 0
+    for bias, k in zip(biases, ks):
+        for tok, val in bias.items():
+            want[r:r + k + 1, tok] = want[r:r + k + 1, tok] + val
+        r += k + 1
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("others", [False, True])
 def test_penalties_match_a_dense_row_by_row_statement(others):
     # repetition from sparse (row, token) pairs (alone) or from the dense counts (with

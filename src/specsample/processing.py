@@ -124,10 +124,11 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
     """In place on float32 ``z`` [T, V]: logit_bias, then repetition, frequency, presence."""
     batch = plan.batch
     if batch.needs_bias:
-        bias = torch.zeros(batch.num_requests, plan.vocab_size, dtype=torch.float32,
-                           device=z.device)
-        bias.index_put_((batch.bias_req, batch.bias_ids), batch.bias_val, accumulate=True)
-        z += bias[plan.row_req]
+        # Sparse: each row's request's entries only (x + bias at those tokens; no [N, V]
+        # tensor, and the other values are left as they are, -0.0 included, as the kernels do)
+        rows, entry = _bias_entries(plan)
+        ids = batch.bias_ids[entry]
+        z[rows, ids] = z[rows, ids] + batch.bias_val[entry]
     if batch.needs_penalties:
         # Only the penalties some request sets, and repetition only at the tokens it touches
         # (the same float32 operations on those entries; the others are unchanged): from
@@ -148,6 +149,18 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
         if presence:
             z -= batch.presence_penalty[req, None] * (counts > 0)
     return z
+
+
+def _bias_entries(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [P], bias entry [P]) int64: every row of ``plan`` with each logit_bias entry of its
+    request (``SamplingBatch.bias_*``; a request's token ids are distinct, so no (row, token)
+    pair repeats). Reads the pair count on the host."""
+    batch = plan.batch
+    start = batch.bias_start[plan.row_req]
+    n = batch.bias_start[plan.row_req + 1] - start
+    rows = torch.repeat_interleave(torch.arange(n.shape[0], device=n.device), n)
+    first = torch.repeat_interleave(n.cumsum(0) - n, n)  # (the pair index of each row's first)
+    return rows, start[rows] + torch.arange(rows.shape[0], device=n.device) - first
 
 
 def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
