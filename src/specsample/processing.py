@@ -21,16 +21,25 @@ from .params import SamplingBatch
 from .plan import Plan
 
 
-def _output_counts(plan: Plan) -> torch.Tensor:
-    """[T, V] float32 counts of output tokens per row: the request's outputs (the batch's
-    ``output_counts``) + its drafts before j."""
-    counts = plan.batch.output_counts[plan.row_req]
-    # Drafts before row j: pairs (row of request i at j, draft j') for j' < j <= k_eff.
-    rows, toks = plan.prior_draft_pairs()
-    if rows.numel():
-        counts.index_put_((rows, toks), torch.ones_like(rows, dtype=torch.float32),
-                          accumulate=True)
-    return counts
+def _count_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token) pairs [P] int64, each once, whose output count is > 0, and the counts [P]
+    float32: the request's outputs (the batch's ``output_counts``) + its drafts before the
+    row (drafts j' < j <= k_eff). Sparse: the request's tokens from
+    ``SamplingBatch.seen_pairs`` at each of its rows (:func:`_request_rows`), then the drafts'
+    pairs; reads sizes on the host."""
+    batch, v = plan.batch, plan.vocab_size
+    req, tok = batch.seen_pairs()
+    rows, tok = _request_rows(plan, req, tok)
+    d_rows, d_toks = plan.prior_draft_pairs()
+    n_seen = rows.shape[0]
+    key, inv = torch.unique(torch.cat([rows, d_rows]) * v + torch.cat([tok, d_toks]),
+                            return_inverse=True)
+    rows, tok = key // v, key % v
+    counts = batch.output_counts[plan.row_req[rows], tok]
+    if d_rows.numel():
+        counts = counts + torch.bincount(inv[n_seen:], minlength=key.shape[0]).float()
+    live = counts > 0
+    return rows[live], tok[live], counts[live]
 
 
 def outputs_before_row(plan: Plan, req: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -130,24 +139,25 @@ def apply_bias_and_penalties(z: torch.Tensor, plan: Plan) -> torch.Tensor:
         ids = batch.bias_ids[entry]
         z[rows, ids] = z[rows, ids] + batch.bias_val[entry]
     if batch.needs_penalties:
-        # Only the penalties some request sets, and repetition only at the tokens it touches
-        # (the same float32 operations on those entries; the others are unchanged): from
-        # sparse pairs when it is the only penalty, else from the dense per-row counts that
-        # frequency / presence need anyway.
+        # Only the penalties some request sets, at the tokens they touch (sparse (row, token)
+        # pairs, no [T, V] counts; the same float32 operations on those entries as the kernels:
+        # the others are unchanged)
         req = plan.row_req
         freq = any(p.frequency_penalty != 0 for p in batch.params)
         presence = any(p.presence_penalty != 0 for p in batch.params)
-        counts = _output_counts(plan) if freq or presence else None
         if any(p.repetition_penalty != 1 for p in batch.params):
-            rows, cols = _repetition_pairs(plan) if counts is None else (
-                (counts > 0) | batch.prompt_mask[req]).nonzero(as_tuple=True)
+            rows, cols = _repetition_pairs(plan)
             rep = batch.repetition_penalty[req[rows]]
             vals = z[rows, cols]  # (a pair listed twice writes the same value twice)
             z[rows, cols] = torch.where(vals > 0, vals / rep, vals * rep)
-        if freq:
-            z -= batch.frequency_penalty[req, None] * counts
-        if presence:
-            z -= batch.presence_penalty[req, None] * (counts > 0)
+        if freq or presence:
+            rows, cols, counts = _count_pairs(plan)
+            vals = z[rows, cols]
+            if freq:  # (z - f * count: the product rounded, then the difference)
+                vals = vals - batch.frequency_penalty[req[rows]] * counts
+            if presence:
+                vals = vals - batch.presence_penalty[req[rows]]
+            z[rows, cols] = vals
     return z
 
 
@@ -169,18 +179,23 @@ def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     as :func:`ban_pairs` lays them out), and each live draft at the rows after it
     (:meth:`Plan.prior_draft_pairs`). Sparse: the request's tokens come from
     ``SamplingBatch.seen_pairs`` (no scan of the [N, V] state per call)."""
-    batch = plan.batch
-    req, tok = batch.seen_pairs()
+    req, tok = plan.batch.seen_pairs()
+    rows, tok = _request_rows(plan, req, tok)
+    d_rows, d_toks = plan.prior_draft_pairs()
+    return torch.cat([rows, d_rows]), torch.cat([tok, d_toks])
+
+
+def _request_rows(plan: Plan, req: torch.Tensor, tok: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs: each (request, token) pair of ``req`` / ``tok`` at every row
+    j <= k_i of its request."""
     j = torch.arange(plan.max_k + 1, device=plan.logits.device)
     rows = plan.row_start[req][:, None] + j  # [M, K + 1]
     tok = tok[:, None].expand_as(rows)
     if plan.uniform:  # (every request has rows j <= K)
-        rows, tok = rows.reshape(-1), tok.reshape(-1)
-    else:
-        ok = j <= plan.k_given[req][:, None]
-        rows, tok = rows[ok], tok[ok]
-    d_rows, d_toks = plan.prior_draft_pairs()
-    return torch.cat([rows, d_rows]), torch.cat([tok, d_toks])
+        return rows.reshape(-1), tok.reshape(-1)
+    ok = j <= plan.k_given[req][:, None]
+    return rows[ok], tok[ok]
 
 
 def round_up_f32(t: torch.Tensor) -> torch.Tensor:

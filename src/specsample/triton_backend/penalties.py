@@ -18,9 +18,8 @@ The float32 operations are the PyTorch backend's (``processing.apply_bias_and_pe
 ``x + bias``; repetition ``z / r`` (IEEE division, ``tl.div_rn``) or ``z * r`` at prompt or
 counted tokens; frequency ``z - f * count`` (the product rounded, then the difference: the
 kernels that process rows compile with ``enable_fp_fusion=False``, so no fused multiply-add
-rounds it once); presence ``z - p``. Both backends give the same float32 ``z`` bit for bit
-(but for the sign of a zero: PyTorch's dense frequency and presence terms subtract -0.0 from
-uncounted tokens when the penalty is negative, which turns a -0.0 logit positive).
+rounds it once); presence ``z - p``, at the counted tokens only. Both backends give the same
+float32 ``z`` bit for bit (PyTorch's processing touches the same tokens: sparse pairs).
 
 The kernels pass the inputs as one tuple, ``pen``: (repetition [N] float32, frequency [N]
 float32, presence [N] float32, output counts [N, CV] float32, prompt mask [N, CV] uint8, CV
