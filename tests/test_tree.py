@@ -672,3 +672,24 @@ def test_pruned_nodes_are_absent(seed, with_q):
     assert_pruned_is_absent(outs[0][0], outs[1][0], keep)
     assert_pruned_is_absent(outs[0][1], outs[1][1], keep)
     assert not outs[1][0].invalid.all()
+
+
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=3.0),
+                                       dict(frequency_penalty=1.5, presence_penalty=0.5)])
+def test_penalties_reach_every_node(penalties):
+    # The penalties' (row, token) pairs cover each request's nodes (not rows j <= depth, a
+    # chain's layout: repetition alone raised IndexError on trees, and pairs past a request's
+    # first depth + 1 nodes were missed).
+    bad = 0
+    for seed in range(6):
+        logits, toks, par, ms, params, q, pos = _random_case(seed)
+        n = len(ms)
+        params = [dataclasses.replace(p, **penalties) for p in params]
+        batch = SamplingBatch.from_params(params, vocab_size=VB, output_token_ids=[[1]] * n,
+                                          prompt_token_ids=[[5, 1]] * n)
+        out = specsample.verify_tree(logits, toks, par, ms, batch, positions=pos)
+        ref, traces = reference.verify_tree(logits, toks, par, ms, batch, positions=pos,
+                                            return_traces=True)
+        bad += sum(not torch.equal(out.token_ids[i], ref.token_ids[i]) and not traces[i].fragile
+                   for i in range(n))
+    assert bad == 0

@@ -87,6 +87,11 @@ class Plan:
         request i is i (K + 1) + j, its draft i K + j."""
         return self.num_draft is not None and all(k == self.max_k for k in self.num_draft)
 
+    def rows_per_request(self) -> tuple[torch.Tensor, int]:
+        """([N] int64 how many rows each request has, the most any has): k_i + 1 rows from
+        ``row_start[i]``."""
+        return self.k_given + 1, self.max_k + 1
+
     @functools.cached_property
     def k_eff(self) -> torch.Tensor:
         """[N] int64: drafts before the request's first placeholder (-1), else k_i."""

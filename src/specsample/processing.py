@@ -187,14 +187,15 @@ def _repetition_pairs(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _request_rows(plan: Plan, req: torch.Tensor, tok: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) pairs: each (request, token) pair of ``req`` / ``tok`` at every row
-    j <= k_i of its request."""
-    j = torch.arange(plan.max_k + 1, device=plan.logits.device)
-    rows = plan.row_start[req][:, None] + j  # [M, K + 1]
+    """(row, token) pairs: each (request, token) pair of ``req`` / ``tok`` at every row of its
+    request (``Plan.rows_per_request``: rows j <= k_i of a chain, the nodes of a tree)."""
+    n_rows, width = plan.rows_per_request()
+    j = torch.arange(width, device=plan.logits.device)
+    rows = plan.row_start[req][:, None] + j  # [M, width]
     tok = tok[:, None].expand_as(rows)
     if plan.uniform:  # (every request has rows j <= K)
         return rows.reshape(-1), tok.reshape(-1)
-    ok = j <= plan.k_given[req][:, None]
+    ok = j < n_rows[req][:, None]
     return rows[ok], tok[ok]
 
 

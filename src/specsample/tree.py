@@ -389,6 +389,12 @@ class TreePlan(Plan):
             return self.tree.row_live
         return torch.ones(self.num_rows, dtype=torch.bool, device=self.logits.device)
 
+    def rows_per_request(self) -> tuple[torch.Tensor, int]:
+        """([N] int64 nodes of each request's tree, the most any has), its rows from
+        ``row_start[i]`` (reads the largest on the host)."""
+        n = torch.bincount(self.row_req, minlength=self.num_requests)
+        return n, int(n.max()) if n.numel() else 0
+
     def prior_draft_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) pairs: every node on a row's path (the node included, the root not).
         Tokens outside [0, V) are left out (their request is invalid: ERR_DRAFT_ID)."""
