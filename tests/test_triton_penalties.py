@@ -86,6 +86,16 @@ def _torch_verify(logits, d, ks, batch, pos):
     return torch_backend.verify(plan)
 
 
+def _sample_both(logits, batch, pos):
+    """sample() on the Triton backend, then on the torch backend: (out, ref)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        out = specsample.sample(logits, batch, positions=pos, strict=False)
+        mp.setenv("SPECSAMPLE_BACKEND", "torch")
+        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    return out, ref
+
+
 def _plain(batch: SamplingBatch) -> SamplingBatch:
     """The same requests with temperature and seed alone."""
     params = [SamplingParams(temperature=p.temperature, seed=p.seed) for p in batch.params]
@@ -205,11 +215,7 @@ def test_long_history_and_persistent_batch():
     for step in range(3):
         logits = (torch.randn(3, vocab, generator=gen) * 2).to(DEVICE)
         pos = torch.full((3,), step, dtype=torch.int64, device=DEVICE)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SPECSAMPLE_BACKEND", "triton")
-            out = specsample.sample(logits, batch, positions=pos, strict=False)
-            mp.setenv("SPECSAMPLE_BACKEND", "torch")
-            ref = specsample.sample(logits, batch, positions=pos, strict=False)
+        out, ref = _sample_both(logits, batch, pos)
         assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
         batch.append(out)
     assert int(batch.output_counts.sum()) == 3 * 30_003
@@ -258,11 +264,7 @@ def test_filters_on_processed_rows_overflow_and_sample():
     pos = torch.arange(5, device=DEVICE)
     before = triton_backend.filter_serial_rows(DEVICE)
     paths.reset()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSAMPLE_BACKEND", "triton")
-        out = specsample.sample(logits, batch, positions=pos, strict=False)
-        mp.setenv("SPECSAMPLE_BACKEND", "torch")
-        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    out, ref = _sample_both(logits, batch, pos)
     counts = paths.counts()
     assert "triton.sample.filtered" in counts and "triton.processing.fused" in counts
     assert triton_backend.filter_serial_rows(DEVICE) - before == 5
@@ -290,11 +292,7 @@ def test_candidates_raised_by_processing(proc, top_k, want):
     batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
                                       output_token_ids=[[300] * 5] * n)
     pos = torch.arange(n, device=DEVICE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSAMPLE_BACKEND", "triton")
-        out = specsample.sample(logits, batch, positions=pos, strict=False)
-        mp.setenv("SPECSAMPLE_BACKEND", "torch")
-        ref = specsample.sample(logits, batch, positions=pos, strict=False)
+    out, ref = _sample_both(logits, batch, pos)
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     got = set(out.token_ids.view(-1).tolist())
     assert got == want, got

@@ -813,8 +813,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                  [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
                   SamplingParams(temperature=0.8, seed=1, logit_bias={1: -0.5})]]
     # and with min_p / top_k / top_p: the filter kernels on the processed rows
-    penalised += [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
-                  for p, q in penalised]
+    penalised_filtered = [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
+                          for p, q in penalised]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
 
@@ -828,7 +828,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
                 drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
                                        device=device)
-                for plist in (params, general, *penalised[:2]):  # (general: float32 rows)
+                for plist in (params, general, *penalised):  # (general: float32 rows)
                     for lp in (None, 0) if plist in (params, general) else (None,):
                         batch = SamplingBatch.from_params(
                             [dataclasses.replace(p, logprobs=lp) for p in plist],
@@ -872,7 +872,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
             target = torch.randn(2, vocab_size, generator=gen, device=device).to(dtype)
             rows = torch.randn(5, vocab_size, generator=gen, device=device).to(dtype)
             drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen, device=device)
-            for plist in penalised:
+            for plist in (*penalised, *penalised_filtered):
                 batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
                 sample(target, batch, positions=pos, strict=False)
                 verify(rows, drafts, k, batch, positions=pos, strict=False)

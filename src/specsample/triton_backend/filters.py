@@ -141,7 +141,7 @@ def _count_mass(src, V, ttop_ptr, NT, thr, prune_key, m, t, cut_key, cut_i,
 @triton.jit(noinline=True)  # (a body of its own: the kernel's stays smaller to compile)
 def _search(src, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
             cut_key, cut_i, BY_MASS: tl.constexpr, SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+            BLOCK: tl.constexpr):
     """The largest key in [lo, hi) whose count (or float64 mass) of survivors at or above it
     reaches the goal, by a 16-ary search; ``lo`` must satisfy it (else ``lo - 1`` comes back,
     meaning no key does), and ``hi`` must not."""
@@ -174,8 +174,7 @@ def _search(src, V, ttop_ptr, NT, lo, hi, goal_count, goal_mass, m, t,
 
 @triton.jit
 def _nth_tie(src, V, ttop_ptr, NT, key, n, cut_key, cut_i,
-             SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+             SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Id of the n-th (1-based, id order) survivor of (cut_key, cut_i) whose key is ``key``
     (``ttop_ptr``: the row's tile maxima)."""
     return _find_nth_tie(src, V, ttop_ptr, NT, tl.cast(key, tl.int64),
@@ -185,8 +184,7 @@ def _nth_tie(src, V, ttop_ptr, NT, key, n, cut_key, cut_i,
 
 @triton.jit(noinline=True)  # (one body for the four calls, their types made alike: compile time)
 def _find_nth_tie(src, V, ttop_ptr, NT, key, n, cut_key, cut_i,
-                  SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+                  SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """:func:`_nth_tie`."""
     seen = 0
     found = INT_MAX
@@ -363,8 +361,7 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
 
 @triton.jit(noinline=True)
 def _serial_cut(src, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, lowest,
-                c_key, lo, SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+                c_key, lo, SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """The cut (key, id) by the serial 16-ary search (rows with too many candidates; ``lo``
     and ``c_key`` from :func:`_bounds`, ``ttop_ptr`` the row's tile maxima)."""
     cut_key = c_key
@@ -408,8 +405,7 @@ def _serial_cut(src, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, lowest,
 
 @triton.jit
 def _chunk_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
-                SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+                SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """(Counts [NB] int32 of the survivors of (cut_key, cut_i) by exact key, bin b counting
     key ``hi_key - b`` for keys in [max(floor, hi_key - NB + 1), hi_key]; the largest key of
     a token in [floor, bottom of the chunk), where the next chunk starts (floor - 1 if none),
@@ -421,8 +417,7 @@ def _chunk_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
 
 @triton.jit(noinline=True)  # (one body for the three calls of _hist_cut: compile time)
 def _fill_hist(src, V, ttop_ptr, NT, hi_key, floor, cut_key, cut_i, hist_ptr,
-               SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+               SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """:func:`_chunk_hist`'s counts, written to the row's scratch ``hist_ptr`` [NB] (every
     thread's writes done on return), and its next key. One read of the tiles whose maximum
     (``ttop_ptr``: the row's tile maxima) reaches the chunk's bottom, a whole tile per load
@@ -465,8 +460,7 @@ def _bin_mass(h, hi_key, m, t, SHIFT: tl.constexpr):
 
 @triton.jit(noinline=True)
 def _hist_cut(src, V, m, t, top_k, top_p, k_on, p_on, ttop_ptr, NT, c_key,
-              lo, tail, hist_ptr, SHIFT: tl.constexpr, PEN: tl.constexpr,
-                BLOCK: tl.constexpr):
+              lo, tail, hist_ptr, SHIFT: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """The cut (key, id) of a row whose candidates overflowed, from exact per-key counts (``lo``
     and ``c_key`` from :func:`_bounds`, ``tail`` from :func:`_tail_mass`), and
     whether it was found (else the serial search runs: the tokens from the row's maximum down
