@@ -27,7 +27,8 @@ Paths (``specsample.paths``):
   launch's) writes them with the tokens, no launch of their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
   launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
-* ``triton.logprobs.torch``: more than 32 top-n logprobs, or ``verify_tree()``: the emitted
+* ``triton.logprobs.torch``: more than 32 top-n logprobs, top-n on the general path (but
+  processed top-n with logit_bias or penalties), or ``verify_tree()``: the emitted
   rows are gathered and their log-distributions computed with PyTorch from the kernels' row
   statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
