@@ -21,14 +21,17 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     argv = ["--device", "cpu", "--out", str(tmp_path), "--repeats", "1", "--batch-sizes",
             "1,2", "--vocab", "512", "--k", "3", "--sample-batch-sizes", "1,2",
             "--sample-vocab", "1024", "--temperatures", "0.7,mix", "--options",
-            "T0.6+p0.9,lp5-raw", "--block", "--draft-counts", "varying,device"]
+            "T0.6+p0.9,lp5-raw", "--block", "--draft-counts", "varying,device",
+            "--option-drafts", "onehot,draft_logits"]
     assert bench.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     cases = report["cases"]
     # verify (kind x T x B) + sample (T x B) + --block (token draft_probs, block draft_logits
-    # and draft_probs: 3 x T x B) + draft counts (2 x B) + two option cases (verify x B,
-    # sample x B)
-    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 3 * 2 * 2 + 2 * 2 + 2 * (2 + 2)
+    # and draft_probs: 3 x T x B) + draft counts (2 x B) + two option cases (verify one-hot,
+    # draft logits token and block x B, sample x B)
+    assert len(cases) == 2 * 2 * 2 + 2 * 2 + 3 * 2 * 2 + 2 * 2 + 2 * (3 * 2 + 2)
+    opt = {(c["draft"], c["method"]) for c in cases if c["options"] and c["op"] == "verify"}
+    assert opt == {("onehot", "token"), ("draft_logits", "token"), ("draft_logits", "block")}
     lp = [c for c in cases if c["options"] == "lp5-raw"]
     assert lp and all(c["baseline"]["eager_us"] > 0 for c in lp)  # the torch baseline
     varying = [c for c in cases if c["counts"] == "varying"]
@@ -51,6 +54,12 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     assert "verify/onehot/T=0.7/B=2" in printed and "sample/sample/T0.6+p0.9/B=2" in printed
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_unknown_option_draft_kind_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--out", str(tmp_path), "--option-drafts", "tree"])
+    assert "unknown draft kind" in capsys.readouterr().err
 
 
 def test_profile_lists_where_each_case_spends_its_time(tmp_path):

@@ -396,8 +396,10 @@ def test_filtered_path_edge_rows(rows):
 
 @pytest.mark.parametrize("kind,processors,path", [
     ("onehot", "bans", "triton.verify.general"),
-    ("draft_logits", True, "triton.verify.general"),
-    ("onehot", True, "triton.verify.filtered")])  # (bias, penalties and filters in the kernels)
+    ("draft_logits", "bans", "triton.verify.general"),
+    # (bias, penalties and filters in the kernels, with one-hot drafts or draft logits)
+    ("draft_logits", True, "triton.verify.filtered"),
+    ("onehot", True, "triton.verify.filtered")])
 def test_general_path_matches(kind, processors, path):
     case = _case(11, 5, 200, torch.bfloat16, kind, processors=processors)
     _, ran = _compare(*case, "token")

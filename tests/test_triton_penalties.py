@@ -19,6 +19,8 @@ from specsample import SamplingBatch, SamplingParams, paths, torch_backend
 from specsample.plan import build_plan
 
 triton_backend = pytest.importorskip("specsample.triton_backend")
+triton = pytest.importorskip("triton")
+tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -219,6 +221,96 @@ def test_long_history_and_persistent_batch():
         assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
         batch.append(out)
     assert int(batch.output_counts.sum()) == 3 * 30_003
+
+
+DIST_KINDS = [(kind, method) for kind in ("draft_logits", "draft_probs")
+              for method in ("token", "block")]
+
+
+def _with_draft_dist(logits, ks, kind: str, seed: int) -> dict:
+    """A draft distribution for the case's draft rows: the target rows of the drafted
+    positions, raw, plus noise (a drafter that knows no penalties, so the processed target
+    often rejects its drafts and the residual decides)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([0] + ks[:-1]).cumsum(0) + torch.arange(len(ks))
+    rows = torch.cat([torch.arange(int(s), int(s) + k) for s, k in zip(starts, ks)])
+    dl = logits.float().cpu()[rows] + torch.randn(len(rows), logits.shape[1], generator=gen)
+    dist = dl if kind == "draft_logits" else torch.softmax(dl, -1)
+    return {kind: dist.to(DEVICE)}
+
+
+def _dist_outputs(logits, d, ks, batch, pos, method, extra):
+    """Triton verify() with a draft distribution (checked fused, processing in the kernels),
+    and the torch backend's: (out, ref)."""
+    out, counts = _triton_verify(logits, d, ks, batch, pos, method=method, **extra)
+    assert "triton.processing.fused" in counts
+    assert not any(p.endswith(".general") for p in counts), counts
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      **{"draft_logits": None, "draft_probs": None, **extra}, positions=pos,
+                      method=method)
+    ref, ref_err = torch_backend.verify(plan)
+    assert not ref_err.any()
+    return out, ref
+
+
+# every draft kind and method with bias alone and with everything; each penalty on its own
+# with draft logits, token level
+DIST_CASES = ([(c, k, m) for c in (2, 3) for k, m in DIST_KINDS]
+              + [(c, "draft_logits", "token") for c in (0, 1)])
+
+
+@pytest.mark.parametrize("case,kind,method", DIST_CASES,
+                         ids=[f"{CASES[c][0]}-{k}-{m}" for c, k, m in DIST_CASES])
+def test_draft_distributions_match_torch_backend(case, kind, method):
+    # Draft logits / probabilities with logit_bias and penalties: the statistics, the
+    # finish's p(d_j) and the residual (token and block verification) read processed target
+    # values, so the tokens are the torch backend's. Power: the processors change them.
+    vocab = 2 * 2048 + 37
+    logits, d, ks, batch, pos = _case(3, 6, vocab, torch.bfloat16, CASES[case][1])
+    extra = _with_draft_dist(logits, ks, kind, 1)
+    out, ref = _dist_outputs(logits, d, ks, batch, pos, method, extra)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    plain, _ = _triton_verify(logits, d, ks, _plain(batch), pos, method=method, **extra)
+    assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replaces kernel functions (Triton's interpreter)")
+@pytest.mark.parametrize("wrong", ["finish", "residual"])
+def test_draft_distributions_fail_on_raw_target_values(wrong, monkeypatch):
+    # Power of the test above for the kernels after the statistics: with the finish's
+    # p(d_j), or the residual's weights, read from raw target values, some case of it gives
+    # other tokens than the torch backend.
+    from specsample.triton_backend import kernels
+
+    if wrong == "finish":
+        monkeypatch.setattr(kernels, "process_at", _raw_at)
+    else:
+        monkeypatch.setattr(kernels, "_residual_weights", _raw_weights)
+    vocab = 2 * 2048 + 37
+    differ = 0
+    for kind, method in DIST_KINDS:
+        logits, d, ks, batch, pos = _case(3, 6, vocab, torch.bfloat16, CASES[3][1])
+        out, ref = _dist_outputs(logits, d, ks, batch, pos, method,
+                                 _with_draft_dist(logits, ks, kind, 1))
+        differ += not torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert differ
+
+
+@triton.jit
+def _raw_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
+    return x
+
+
+@triton.jit
+def _raw_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt, rho,
+                 offs, lo, cut_v, cut_i, req, j, pen, DRAFT_PROBS: tl.constexpr,
+                 PEN: tl.constexpr):
+    return _RESIDUAL_WEIGHTS(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz,
+                             dt, rho, offs, lo, cut_v, cut_i, req, j, pen, DRAFT_PROBS, 0)
+
+
+_RESIDUAL_WEIGHTS = triton_backend.kernels._residual_weights
 
 
 # (name, processors, filters) of requests that combine them: the filter kernels cut the

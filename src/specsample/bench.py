@@ -706,7 +706,10 @@ def protocol_cases(args: argparse.Namespace) -> list[Case]:
                   for b in args.batch_sizes]
     cases += [Case("verify", "onehot", "1.0", b, args.k, args.vocab, args.dtype, counts=c)
               for c in args.draft_counts for b in args.batch_sizes]
-    cases += [Case("verify", "onehot", "", b, args.k, args.vocab, args.dtype, f)
+    cases += [Case("verify", draft, "", b, args.k, args.vocab, args.dtype, f, method)
+              for draft in args.option_drafts
+              for method in (("token", "block") if args.block and draft != "onehot"
+                             else ("token",))
               for f in args.options for b in args.batch_sizes]
     cases += [Case("sample", None, "", b, 0, args.sample_vocab, args.dtype, f)
               for f in args.options for b in args.sample_batch_sizes]
@@ -943,6 +946,15 @@ def _counts_list(text: str) -> list[str]:
     return labels
 
 
+def _draft_list(text: str) -> list[str]:
+    kinds = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in kinds if x not in ("onehot", "draft_logits", "draft_probs")]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown draft kind(s) {bad or text!r}; choose from "
+                                         "onehot, draft_logits, draft_probs")
+    return kinds
+
+
 def _option_list(text: str) -> list[str]:
     labels = [] if text == "none" else [x for x in text.split(",") if x]
     bad = [x for x in labels if x not in OPTION_CASES]
@@ -980,6 +992,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--options", type=_option_list, default=list(OPTION_CASES),
                    metavar="LABEL,...", help="option cases (one-hot verify and sample): "
                    + ", ".join(OPTION_CASES) + " (default: all; 'none' for none)")
+    p.add_argument("--option-drafts", type=_draft_list, default=["onehot"],
+                   metavar="KIND,...", help="draft kinds of the option cases' verify(): "
+                   "onehot, draft_logits, draft_probs (default onehot; with --block, draft "
+                   "distributions also by block verification)")
     p.add_argument("--trees", type=_int_list, nargs="?", const=[16, 64], default=[],
                    metavar="M,M,...", help="also verify_tree() of one-hot trees of M nodes per "
                    "request (default 16,64; 4 children at the root, then 2 per node, "

@@ -392,7 +392,7 @@ class SamplingBatch:
     def processing_in_kernels(self) -> bool:
         """True when the batch sets logit_bias or penalties, with or without min_p / top_k /
         top_p, and no bans or logprobs: the Triton kernels apply them
-        (``triton_backend.fused_processing``, in calls without a draft distribution)."""
+        (``triton_backend.fused_processing``), with one-hot drafts or a draft distribution."""
         return ((self.needs_bias or self.needs_penalties) and not self.needs_bans
                 and self.max_logprobs < 0)
 
@@ -401,8 +401,7 @@ class SamplingBatch:
         """True when a processor beyond temperature and the filters is active (bans, bias,
         penalties). On the Triton backend bans always take the counted general path, and bias
         and penalties do unless the kernels apply them (``triton_backend.fused_processing``:
-        no bans, logprobs or draft distribution). Temperature and the filters
-        (min_p, top_k, top_p) are fused."""
+        no bans or logprobs). Temperature and the filters (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
     @staticmethod

@@ -10,12 +10,13 @@ Paths (``specsample.paths``):
 * ``triton.sample.fused`` / ``triton.verify.fused`` also serve logit_bias and presence /
   frequency / repetition penalties, applied as the kernels load each row (``penalties``:
   the bias entries of the request, its output counts and prompt flags from the batch's
-  device state, the drafts before the row), when the batch has no bans or logprobs and the
-  call no draft distribution (:func:`fused_processing`); the path ``triton.processing.fused``
-  counts those rows. With min_p / top_k / top_p too, the filter kernels read the rows
+  device state, the drafts before the row), when the batch has no bans or logprobs
+  (:func:`fused_processing`; with a draft distribution the finish and residual kernels
+  process the target values they read too); the path ``triton.processing.fused`` counts
+  those rows. With min_p / top_k / top_p too, the filter kernels read the rows
   processed the same way (``triton.*.filtered``).
 * ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, or logit_bias /
-  penalties beyond what the kernels apply (with logprobs, or a draft distribution); the
+  penalties beyond what the kernels apply (with logprobs); the
   processed float32 logits are materialised by ``specsample.processing`` (PyTorch), then the
   same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
@@ -143,10 +144,11 @@ MERGED_PROBS_MAX_ROWS = 64
 
 def fused_processing(plan: Plan) -> bool:
     """Whether the kernels apply the batch's logit_bias and penalties themselves
-    (``penalties``; the filter kernels too, on the processed rows) instead of the general
-    path: a batch that sets some of them, without bans or logprobs, in a call without
-    draft_logits / draft_probs."""
-    return plan.batch.processing_in_kernels and not plan.has_draft_dist and not _GENERAL.get()
+    (``penalties``; the filter kernels too, on the processed rows, and with draft_logits /
+    draft_probs the kernels that read target rows after the statistics: the finish's p(d_j),
+    the residual's masses and draw) instead of the general path: a batch that sets some of
+    them, without bans or logprobs."""
+    return plan.batch.processing_in_kernels and not _GENERAL.get()
 
 
 @contextlib.contextmanager
@@ -199,7 +201,8 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple,
     """The statistics pass (``kernels.stats_kernel``) of the target rows x [R, V] and, with
     ``draft`` ((draft [D, DV] logits or probabilities, whether probabilities)), of the draft
     rows at the request temperatures: in the same launch, except for more than
-    ``MERGED_PROBS_MAX_ROWS`` rows of probabilities (then a launch of their own first).
+    ``MERGED_PROBS_MAX_ROWS`` rows of probabilities or with ``pen`` (then a launch of their
+    own first).
     Returns ((part_m, part_s, part_f), tiles, (S, CPS, NT)) of the target rows and
     ((part_m, part_s, part_f), DS) of the draft rows (None without ``draft``). ``pen``: the
     target rows are processed with the batch's logit_bias and penalties, ``pen_args``
@@ -224,14 +227,15 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple,
     if draft is None:
         target_rows()
         return (part_m, part_s, part_f), tiles, (s, cps, nt), None
-    if pen:
-        raise ValueError("_launch_stats: logit_bias / penalties in the kernels take no draft rows")
     d, is_probs = draft
     drows, dv = d.shape
     ds, dcps, _ = _splits(drows, dv, TILES_PER_CHUNK, dev)
     dparts = tuple(workspace.scratch(f"draft.part_{n}", (drows, ds), t, dev)
                    for n, t in (("m", torch.float32), ("s", torch.float32), ("f", torch.int32)))
-    merged = not is_probs or drows <= MERGED_PROBS_MAX_ROWS
+    # (processed target rows take chunks of their own size and register cap: the draft rows
+    # are then a launch of their own, before them)
+    apart = is_probs and drows > MERGED_PROBS_MAX_ROWS
+    merged = not (apart or pen)
     grid = (drows + rows, max(s, ds)) if merged else (drows, ds)
     launch(kernels.stats_kernel)[grid](
         *target, drows, d, d.stride(0), dv, plan.draft_req, plan.draft_j,
@@ -239,7 +243,8 @@ def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple,
         WRITE_TOP=write_top if merged else False, DRAFT=1 + int(is_probs), PEN=0,
         TPC=TILES_PER_CHUNK, BLOCK=BLOCK, num_warps=warps)
     if not merged:
-        paths.record("triton.stats.draft_probs_apart", drows)
+        if apart:
+            paths.record("triton.stats.draft_probs_apart", drows)
         target_rows()
     return (part_m, part_s, part_f), tiles, (s, cps, nt), (dparts, ds)
 
@@ -596,6 +601,12 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     rows = plan.num_rows
     warps = NUM_WARPS if not _interpreting(dev) else 1
     block = plan.has_draft_dist and plan.method == "block"
+    # The kernels after the statistics that read target values beside the draft's (the
+    # finish's p(d_j), the residual's masses and draw) process them too: PEN 2 serves
+    # logit_bias alone as well (its penalties are skipped at run time), one variant fewer.
+    dist_pen = 2 if pen and plan.has_draft_dist else 0
+    dist_pen_args = (draft_ids, *_pen_args(plan, bool(dist_pen)))
+    dist_options = PEN_OPTIONS if dist_pen else {}
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1
 
@@ -605,9 +616,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             plan.positions, plan.row_start, plan.draft_start, plan.k_given, draft_ids,
             y, stats, draft, dstride, dv, dstats,
             token_ids, num_accepted, err, invalid, res_row, k, cut_v, cut_i,
-            rho_row, bmass, sb, int(filtered), *lp_args, HAS_DRAFT=plan.has_draft_dist,
-            DRAFT_PROBS=is_probs, BLOCK_METHOD=block, RHO_ONLY=rho_only, S_MAX=S_MAX,
-            num_warps=4 if not _interpreting(dev) else 1)
+            rho_row, bmass, sb, int(filtered), *lp_args, *dist_pen_args[1:],
+            HAS_DRAFT=plan.has_draft_dist, DRAFT_PROBS=is_probs, BLOCK_METHOD=block,
+            RHO_ONLY=rho_only, PEN=dist_pen, S_MAX=S_MAX,
+            num_warps=4 if not _interpreting(dev) else 1, **dist_options)
 
     n_drafts = plan.draft_token_ids.numel()
     block_mass = block and k > 1
@@ -630,9 +642,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         launch(kernels.block_mass_kernel)[(n_drafts, sb)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
             plan.draft_start, plan.draft_req, plan.draft_j, plan.k_given, draft, dstride, dv,
-            dstats, rho_row, bmass, tile_mass, nt, bcps, cut_v, cut_i,
-            DRAFT_PROBS=is_probs, FILTERED=filtered, TPC=MASS_TILES_PER_CHUNK,
-            BLOCK=BLOCK, num_warps=warps)
+            dstats, rho_row, bmass, tile_mass, nt, bcps, cut_v, cut_i, *dist_pen_args,
+            DRAFT_PROBS=is_probs, FILTERED=filtered, PEN=dist_pen, TPC=MASS_TILES_PER_CHUNK,
+            BLOCK=BLOCK, num_warps=warps, **dist_options)
     if not finished:
         finish(rho_only=False)
 
@@ -645,16 +657,17 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             launch(kernels.residual_mass_kernel)[(n, rs)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
                 plan.draft_start, draft, dstride, dv, dstats,
-                res_row, mass, nt, rcps, cut_v, cut_i, DRAFT_PROBS=is_probs,
-                FILTERED=filtered, TPC=1, BLOCK=BLOCK, num_warps=warps)
+                res_row, mass, nt, rcps, cut_v, cut_i, *dist_pen_args, DRAFT_PROBS=is_probs,
+                FILTERED=filtered, PEN=dist_pen, TPC=1, BLOCK=BLOCK, num_warps=warps,
+                **dist_options)
         # (block verification: rho_tau from rho_row at the draft row of tau, the value the
         # tile masses were summed with; else rho_tau = 1 and rho_row is not read)
         launch(kernels.residual_draw_kernel)[(n,)](
             x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
             plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
             dstats, res_row, rho_row, mass, nt, int(block_mass),
-            token_ids, k, cut_v, cut_i, int(filtered), *lp_args, DRAFT_PROBS=is_probs,
-            BLOCK=BLOCK, num_warps=warps)
+            token_ids, k, cut_v, cut_i, int(filtered), *lp_args, *dist_pen_args,
+            DRAFT_PROBS=is_probs, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps, **dist_options)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
         # The processing sanitised the rows of requests it found invalid (NaN / inf logits,
@@ -878,6 +891,21 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 sample(target, batch, positions=pos, strict=False)
                 verify(rows, drafts, k, batch, positions=pos, strict=False)
                 calls += 2
+                # with a draft distribution: the kernels after the statistics process the
+                # target values they read (PEN 2 for bias and penalties alike)
+                for method in methods:
+                    for ddtype in dtypes:
+                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
+                        probs = torch.softmax(dl.float(), -1).to(ddtype)
+                        for extra in (dict(draft_logits=dl), dict(draft_probs=probs)):
+                            verify(rows, drafts, k, batch, positions=pos, method=method,
+                                   strict=False, **extra)
+                            calls += 1
+                            if method == "block" and "token" not in methods:
+                                verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos,
+                                       method=method, strict=False,
+                                       **{key: v[:2] for key, v in extra.items()})
+                                calls += 1
             for plist in (params, filtered, general):
                 batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
                 sample(target, batch, positions=pos, strict=False)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import rng
 from .logprobs import rank_tiles
-from .penalties import process, setup
+from .penalties import process, process_at, setup
 
 STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
 STREAM_ACCEPT = tl.constexpr(rng.STREAM_ACCEPT)
@@ -577,7 +577,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                                 out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
                                 res_row_ptr, K, part_m_ptr, part_f_ptr,
                                 part_m_ptr, part_m_ptr, 1, 0, lp_proc_ptr, lp_v_ptr, lp_i_ptr,
-                                lp0, False, False, False, False, S_MAX)
+                                lp0, pen, False, False, False, False, 0, S_MAX)
 
 
 @triton.jit
@@ -632,13 +632,16 @@ def _cut(cut_v_ptr, cut_i_ptr, row, filtered):
 
 @triton.jit
 def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr, cut_v, cut_i,
-             live):
+             live, req, j, pen, PEN: tl.constexpr):
     """p(tok) of rows from their stats: exp((x - m) / t - logz) (0 outside the filters' cut),
     or x for probabilities; 0 for tok >= V (a draft vocabulary shorter than the target's) and
-    where not ``live`` (nothing read there)."""
+    where not ``live`` (nothing read there). PEN: the target rows j of request ``req`` are
+    processed with its logit_bias and penalties (``penalties.process_at``; ``pen``)."""
     ok = (tok < V) & live
     safe = tl.where(ok, tok, 0)
     x = tl.load(x_ptr + row.to(tl.int64) * stride + safe, mask=ok, other=0.0).to(tl.float32)
+    if PEN:
+        x = process_at(x, safe, req, j, ok, pen, PEN == 2)
     if IS_PROBS:
         p = x
     else:
@@ -648,11 +651,16 @@ def _prob_at(x_ptr, stride, row, tok, m, logz, t, V, IS_PROBS: tl.constexpr, cut
 
 @triton.jit
 def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, dm, dlogz, dt,
-                      rho, offs, cut_v, cut_i, DRAFT_PROBS: tl.constexpr):
-    """w = max(rho p - q, 0) at token ids ``offs`` of target row ``xr`` / draft row ``dr``
-    (p = 0 outside the filters' cut)."""
+                      rho, offs, lo, cut_v, cut_i, req, j, pen, DRAFT_PROBS: tl.constexpr,
+                      PEN: tl.constexpr):
+    """w = max(rho p - q, 0) at token ids ``offs`` (lo .. lo + len(offs) - 1) of target row
+    ``xr`` / draft row ``dr`` (p = 0 outside the filters' cut). PEN: the target row, row j of
+    request ``req``, is processed with its logit_bias and penalties (``penalties.process``)."""
     x = tl.load(x_ptr + xr.to(tl.int64) * stride + offs, mask=offs < V,
                 other=-float("inf")).to(tl.float32)
+    if PEN:
+        x, _st = process(x, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, pen), pen,
+                         PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     p = tl.where(fin, tl.exp((x - m) / t - logz), 0.0)
     dmask = offs < DV
@@ -669,7 +677,7 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
 def _draft_prob(d_ptr, dstride, DV, dr, tok, dm, dlogz, dt, DRAFT_PROBS: tl.constexpr, live):
     """q(tok) of draft rows ``dr`` (:func:`_prob_at` with no filter cut)."""
     return _prob_at(d_ptr, dstride, dr, tok, dm, dlogz, dt, DV, DRAFT_PROBS, -float("inf"),
-                    2147483647, live)
+                    2147483647, live, 0, 0, 0, 0)
 
 
 @triton.jit(**_NOSPEC)
@@ -678,8 +686,10 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   d_ptr, dstride, DV, dstats_ptr, out_tok_ptr,
                   out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                   cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr,
-                  lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr, DRAFT_PROBS: tl.constexpr,
-                  BLOCK_METHOD: tl.constexpr, RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
+                  lp_v_ptr, lp_i_ptr, lp0, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr,
+                  CV, bstart_ptr, bids_ptr, bval_ptr, HAS_DRAFT: tl.constexpr,
+                  DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
+                  RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel`` or ``stats_draw_kernel``), draw the correction from the residual where a
     draft distribution was rejected, and write token ids [K+1], num_accepted and the error
@@ -693,15 +703,19 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     in parallel over (draft row, split) into ``bmass`` [drafts, SB], which the second run
     reads, and their tile masses, from which ``residual_draw_kernel`` draws at row tau.
 
-    With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1]."""
+    With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1].
+    PEN (with a draft distribution): p_j(d_j) is read from the target rows processed with the
+    batch's logit_bias and penalties (``penalties.process_at``), as the statistics were."""
     i = tl.program_id(0)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
                     stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
-                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT, DRAFT_PROBS, BLOCK_METHOD,
-                    RHO_ONLY, S_MAX)
+                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, HAS_DRAFT, DRAFT_PROBS,
+                    BLOCK_METHOD, RHO_ONLY, PEN, S_MAX)
 
 
 @triton.jit
@@ -710,9 +724,9 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
                     stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
-                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, HAS_DRAFT: tl.constexpr,
+                    lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, HAS_DRAFT: tl.constexpr,
                     DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                    RHO_ONLY: tl.constexpr, S_MAX: tl.constexpr):
+                    RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr):
     """The work of :func:`finish_kernel` for request ``i``."""
     k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i, True)
     start = tl.load(row_start_ptr + i)
@@ -781,7 +795,8 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
         lk = (k - c).to(tl.int32)  # its lane
         if use_dist != 0:
             cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
-            p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i, is_draft)
+            p_x = _prob_at(x_ptr, stride, r, d, m, logz, t, V, False, cut_v, cut_i, is_draft, i,
+                           j, pen, PEN)
             q_x = _draft_prob(d_ptr, dstride, DV, dr, d, dm, dlogz, dt, DRAFT_PROBS, is_draft)
             if BLOCK_METHOD:
                 u = _uniform(seed_lo, seed_hi, pos0 + j - 1, j, STREAM_BLOCK_ACCEPT)
@@ -940,8 +955,9 @@ def _pair_stats(temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_pt
 
 @triton.jit
 def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, dt, dm, dlogz,
-                 cut_v, cut_i, c0, c1, tmass_ptr, trow, NT, DRAFT_PROBS: tl.constexpr,
-                 TPC: tl.constexpr, BLOCK: tl.constexpr):
+                 cut_v, cut_i, c0, c1, tmass_ptr, trow, NT, req, j, pen,
+                 DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr, TPC: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Chunks [c0, c1) (TPC tiles each) of the residual w = max(rho p - q, 0) of target row
     ``r`` and draft row ``dr``: writes each tile's mass at tmass [trow, tile] and returns
     their sum. A chunk is one load of TPC * BLOCK elements per row."""
@@ -950,7 +966,8 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
     for c in range(c0, c1):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                              dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
+                              dlogz, dt, rho, offs, c * CHUNK, cut_v, cut_i, req, j, pen,
+                              DRAFT_PROBS, PEN)
         tile_mass = tl.sum(tl.reshape(w, (TPC, BLOCK)), axis=1)
         tile = c * TPC + tl.arange(0, TPC)
         tl.store(tmass_ptr + trow.to(tl.int64) * NT + tile, tile_mass, mask=tile < NT)
@@ -961,15 +978,20 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
 @triton.jit(**_NOSPEC)
 def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                          draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, res_row_ptr,
-                         mass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
-                         FILTERED: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                         mass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, draft_ids_ptr, rep_ptr,
+                         freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+                         bval_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                         PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
     w = max(p - q, 0) in each tile of the split's CPS chunks (the rejected target / draft row
     pair is read once, in parallel over splits). Writes mass [N, NT]. (rho_tau is 1: token
     level, and block verification when no request has two drafts, where a rejected block
-    has tau = 0; other block batches draw from ``block_mass_kernel``'s masses.)"""
+    has tau = 0; other block batches draw from ``block_mass_kernel``'s masses.) PEN: the
+    target rows are processed with the batch's logit_bias and penalties (``stats_kernel``)."""
     i = tl.program_id(0)
     s = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
@@ -978,16 +1000,18 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
         nc = tl.cdiv(NT, TPC)
         _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.full((), 1.0, tl.float32), t,
                      m, logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
-                     tl.minimum(s * CPS + CPS, nc), mass_ptr, i, NT, DRAFT_PROBS, TPC, BLOCK)
+                     tl.minimum(s * CPS + CPS, nc), mass_ptr, i, NT, i,
+                     r - tl.load(row_start_ptr + i), pen, DRAFT_PROBS, PEN, TPC, BLOCK)
 
 
 @triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                       draft_start_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, d_ptr, dstride,
                       DV, dstats_ptr, rho_row_ptr, bmass_ptr,
-                      tmass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, DRAFT_PROBS: tl.constexpr,
-                      FILTERED: tl.constexpr, TPC: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      tmass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, draft_ids_ptr, rep_ptr,
+                      freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+                      bval_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                      PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (draft row, split of CPS chunks): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
     whose Z_j can still change the accepted length, and row 0 (rho_0 = 1) of every request
@@ -995,9 +1019,12 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     and get 0; rows no request owns are not read). Writes bmass [drafts, splits]: every Z_j
     of the batch at once instead of one request's rows in series; and the tile masses
     tmass [drafts, NT] of the rows it reads, from which ``residual_draw_kernel`` draws the
-    correction at row tau (it is one of them: eta_tau <= rho_tau, or tau = 0)."""
+    correction at row tau (it is one of them: eta_tau <= rho_tau, or tau = 0). PEN: as
+    :func:`residual_mass_kernel`'s."""
     dr = tl.program_id(0)
     s = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     i = tl.load(draft_req_ptr + dr)
     j = tl.load(draft_j_ptr + dr)
     rho = tl.load(rho_row_ptr + dr, mask=j < tl.load(k_given_ptr + i), other=-1.0)
@@ -1010,7 +1037,7 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
         nc = tl.cdiv(NT, TPC)
         total = _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, d_row, dt,
                              dm, dlogz, cut_v, cut_i, s * CPS, tl.minimum(s * CPS + CPS, nc),
-                             tmass_ptr, dr, NT, DRAFT_PROBS, TPC, BLOCK)
+                             tmass_ptr, dr, NT, i, j, pen, DRAFT_PROBS, PEN, TPC, BLOCK)
     tl.store(bmass_ptr + dr.to(tl.int64) * tl.num_programs(1) + s, total)
 
 
@@ -1019,8 +1046,10 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
                          DV, dstats_ptr, res_row_ptr, rho_row_ptr,
                          mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
-                         filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
-                         DRAFT_PROBS: tl.constexpr, BLOCK: tl.constexpr):
+                         filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr, rep_ptr,
+                         freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+                         bval_ptr, DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
+                         BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
     STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
@@ -1028,8 +1057,11 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     (``residual_mass_kernel``) and rho_tau is 1; with ``by_draft_row`` both are read at the
     draft row of the rejected position: mass [drafts, NT] and rho_row [drafts]
     (``block_mass_kernel``'s masses and the ratios they were summed with). Overwrites the
-    correction token (and, with ``lp0``, its logprob: ``finish_kernel``)."""
+    correction token (and, with ``lp0``, its logprob: ``finish_kernel``). PEN: as
+    :func:`residual_mass_kernel`'s."""
     i = tl.program_id(0)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         start = tl.load(row_start_ptr + i)
@@ -1061,14 +1093,16 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         if best > -float("inf"):
             offs = bt * BLOCK + tl.arange(0, BLOCK)
             w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
+                                  dlogz, dt, rho, offs, bt * BLOCK, cut_v, cut_i, i, j, pen,
+                                  DRAFT_PROBS, PEN)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
             # The chosen sub-tile only (weights recomputed from cached rows): noise for
             # SUBTILE tokens, not BLOCK (a sixteenth of the Philox code to compile and run)
             offs = sb * SUBTILE + tl.arange(0, SUBTILE)
             w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, cut_v, cut_i, DRAFT_PROBS)
+                                  dlogz, dt, rho, offs, sb * SUBTILE, cut_v, cut_i, i, j, pen,
+                                  DRAFT_PROBS, PEN)
             logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
             key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
             key = tl.where(w > 0, key, -float("inf"))

@@ -92,3 +92,50 @@ def process(x, offs, lo, hi, req, j, state, pen, PENALTIES: tl.constexpr):
             # without floating-point contraction, enable_fp_fusion=False)
             x = tl.where(counted, x - f * c - p, x)
     return x, (a, e, tok, rep, f, p, on, ds)
+
+
+@triton.jit
+def process_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
+    """:func:`process` at single tokens: ``z`` (float32, the shape of ``x``) of token ``tok`` in
+    row ``j`` of request ``req`` per lane (vectors of any ids in [0, V), rows and order; lanes
+    not ``live`` are left as they are), from the raw float32 values ``x`` there: the same
+    float32 operations, so the same bits. Each lane finds its bias entry by bisection of the
+    request's sorted ids; the drafts d_0 .. d_{j-1} of its row are counted."""
+    (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
+     draft_ids_ptr, draft_start_ptr) = pen
+    a0 = tl.load(bstart_ptr + req)
+    e = tl.load(bstart_ptr + req + 1)
+    steps = 0
+    n = e - a0
+    while n > 0:  # (ceil(log2(entries + 1)) halvings find any lane's entry)
+        n = n // 2
+        steps += 1
+    a = (tok * 0).to(tl.int64) + a0
+    b = (tok * 0).to(tl.int64) + e
+    for _ in range(0, steps):
+        go = a < b
+        mid = (a + b) // 2
+        below = tl.load(bids_ptr + mid, mask=go, other=0) < tok
+        a = tl.where(go & below, mid + 1, a)
+        b = tl.where(go & ~below, mid, b)
+    hit = live & (a < e)
+    hit = hit & (tl.load(bids_ptr + a, mask=hit, other=-1) == tok)
+    x = tl.where(hit, x + tl.load(bval_ptr + a, mask=hit, other=0.0), x)
+    if PENALTIES:
+        rep = tl.load(rep_ptr + req)
+        f = tl.load(freq_ptr + req)
+        p = tl.load(pres_ptr + req)
+        if (rep != 1.0) | (f != 0.0) | (p != 0.0):
+            o = req.to(tl.int64) * CV + tok
+            c = tl.load(counts_ptr + o, mask=live, other=0.0)
+            ds = tl.load(draft_start_ptr + req)
+            for jj in range(0, tl.max(tl.where(live, j, 0), axis=0)):
+                d = tl.load(draft_ids_ptr + ds + jj)
+                c += tl.where((jj < j) & (tok == d), 1.0, 0.0)
+            counted = c > 0
+            if rep != 1.0:
+                seen = counted | (tl.load(prompt_ptr + o, mask=live, other=0) != 0)
+                x = tl.where(seen & live, tl.where(x > 0, tl.div_rn(x, rep), x * rep), x)
+            if (f != 0.0) | (p != 0.0):
+                x = tl.where(counted & live, x - f * c - p, x)
+    return x
