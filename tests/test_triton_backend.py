@@ -39,7 +39,7 @@ FILTERS = [dict(top_k=7, top_p=0.9, min_p=0.01), dict(top_k=1), dict(top_p=1e-6)
 
 def _params(gen: torch.Generator, n: int, *, processors: bool | str) -> list[SamplingParams]:
     """Mixed temperatures; with ``processors`` every other request sets bias, penalties and
-    filters (the fused path; the general path with a draft distribution, or with
+    filters (the fused path, with any draft kind; the general path with
     ``processors="bans"``, which adds a bad word), with ``processors="filters"`` only filters
     (the fused path)."""
     out = []
@@ -404,6 +404,17 @@ def test_general_path_matches(kind, processors, path):
     case = _case(11, 5, 200, torch.bfloat16, kind, processors=processors)
     _, ran = _compare(*case, "token")
     assert ran == path
+
+
+@pytest.mark.parametrize("kind,method", [("draft_logits", "block"), ("draft_probs", "token")])
+def test_processing_with_draft_distributions_placeholders_and_narrow_drafts(kind, method):
+    # bias, penalties and filters in the kernels with a draft distribution over a narrower
+    # vocabulary, placeholders (-1) among the drafts and mixed temperatures: the torch
+    # backend's outputs, on the filtered path
+    case = _case(12, 7, 2600, torch.float16, kind, draft_vocab=2100, placeholders=True,
+                 processors=True)
+    _, ran = _compare(*case, method)
+    assert ran == "triton.verify.filtered"
 
 
 def test_placeholders_and_invalid_rows():

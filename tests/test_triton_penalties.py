@@ -452,3 +452,56 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab, filt):
         assert torch.equal(graph_out.token_ids, ref.token_ids), step
         batch.append(graph_out)  # (the next replay's penalties count these tokens)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+def test_gpu_draft_distribution_equivalence_and_capture(kind):
+    # Bias, penalties and filters with a draft distribution at V = 151,936: the torch
+    # backend's tokens, no host synchronisation, and a captured call that replays with new
+    # rows, drafts and draft distributions and sees the outputs append() adds between
+    # replays.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specsample.bench import capture_graph
+
+    vocab, n = 151936, 8
+    _, _, _, batch, pos = _case(13, n, vocab, torch.bfloat16,
+                                CASES[3][1] | dict(top_k=20, top_p=0.8), history=512)
+    ks = [4] * n
+    gen = torch.Generator().manual_seed(14)
+
+    def inputs():
+        rows = (torch.randn(n * 5, vocab, generator=gen) * 2).to(torch.bfloat16).to("cuda")
+        drafts = rows.float().argmax(-1).view(n, 5)[:, :4].reshape(-1).contiguous()
+        return rows, drafts, _with_draft_dist(rows, ks, kind, int(torch.randint(
+            0, 1000, (), generator=gen)))
+
+    rows, drafts, extra = inputs()
+    out, ref = _dist_outputs(rows, drafts, ks, batch, pos, "token", extra)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        specsample.verify(rows, drafts, ks, batch, positions=pos, strict=False, **extra)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = {"x": rows.clone(), "d": drafts.clone(), "q": extra[kind].clone(),
+              "pos": pos.clone()}
+    graph, graph_out = capture_graph(lambda: specsample.verify(
+        static["x"], static["d"], ks, batch, positions=static["pos"], strict=False,
+        **{kind: static["q"]}))
+    for step in range(2):
+        rows, drafts, extra = inputs()
+        static["x"].copy_(rows)
+        static["d"].copy_(drafts)
+        static["q"].copy_(extra[kind])
+        static["pos"].add_(5)
+        graph.replay()
+        plan = build_plan(rows, batch, draft_token_ids=drafts, num_draft_tokens=ks,
+                          **{"draft_logits": None, "draft_probs": None, **extra},
+                          positions=static["pos"].clone(), method="token")
+        ref, _ = torch_backend.verify(plan)
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out.token_ids, ref.token_ids), step
+        batch.append(graph_out)  # (the next replay's penalties count these tokens)
