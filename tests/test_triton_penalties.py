@@ -253,10 +253,11 @@ def _dist_outputs(logits, d, ks, batch, pos, method, extra):
     return out, ref
 
 
-# every draft kind and method with bias alone and with everything; each penalty on its own
-# with draft logits, token level
-DIST_CASES = ([(c, k, m) for c in (2, 3) for k, m in DIST_KINDS]
-              + [(c, "draft_logits", "token") for c in (0, 1)])
+# every draft kind and method with every processor; bias alone, repetition alone and
+# frequency + presence alone with one kind each
+DIST_CASES = ([(3, k, m) for k, m in DIST_KINDS]
+              + [(2, "draft_logits", "token"), (0, "draft_probs", "block"),
+                 (1, "draft_logits", "block")])
 
 
 @pytest.mark.parametrize("case,kind,method", DIST_CASES,
@@ -289,7 +290,7 @@ def test_draft_distributions_fail_on_raw_target_values(wrong, monkeypatch):
         monkeypatch.setattr(kernels, "_residual_weights", _raw_weights)
     vocab = 2 * 2048 + 37
     differ = 0
-    for kind, method in DIST_KINDS:
+    for kind, method in (DIST_KINDS[0], DIST_KINDS[3]):
         logits, d, ks, batch, pos = _case(3, 6, vocab, torch.bfloat16, CASES[3][1])
         out, ref = _dist_outputs(logits, d, ks, batch, pos, method,
                                  _with_draft_dist(logits, ks, kind, 1))
@@ -327,9 +328,15 @@ FILTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,proc,filt", FILTER_CASES, ids=[c[0] for c in FILTER_CASES])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_filters_on_processed_rows_match_torch_backend(name, proc, filt, dtype):
+# every case on bf16 rows; float32 rows (keyed as they are) for two of them
+FILTER_DTYPES = [(c, torch.bfloat16) for c in FILTER_CASES] + [
+    (FILTER_CASES[i], torch.float32) for i in (0, 2)]
+
+
+@pytest.mark.parametrize("case,dtype", FILTER_DTYPES,
+                         ids=[f"{c[0]}-{str(d)[6:]}" for c, d in FILTER_DTYPES])
+def test_filters_on_processed_rows_match_torch_backend(case, dtype):
+    _, proc, filt = case
     vocab = 2 * 2048 + 37
     logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, proc | filt)
     out = _verify_as_torch(logits, d, ks, batch, pos, "triton.verify.filtered")
