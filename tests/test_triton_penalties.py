@@ -340,6 +340,8 @@ def test_filters_on_processed_rows_match_torch_backend(case, dtype):
     vocab = 2 * 2048 + 37
     logits, d, ks, batch, pos = _case(3, 6, vocab, dtype, proc | filt)
     out = _verify_as_torch(logits, d, ks, batch, pos, "triton.verify.filtered")
+    if dtype != torch.bfloat16:
+        return  # (the power check below runs once per case, on its bf16 rows)
     # power: the processors alone, and the filters alone, give other tokens (the same
     # logits, drafts and seeds: _case draws them whatever the parameters)
     for part in (proc, filt):
