@@ -82,9 +82,12 @@ def _triton_verify(logits, d, ks, batch, pos, **kw):
     return out, paths.counts()
 
 
-def _torch_verify(logits, d, ks, batch, pos):
-    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks, draft_logits=None,
-                      draft_probs=None, positions=pos, method="token")
+def _torch_verify(logits, d, ks, batch, pos, method="token", **dist):
+    """The torch backend's verify() of the case (``dist``: draft_logits or draft_probs):
+    (out, error bits)."""
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      **{"draft_logits": None, "draft_probs": None, **dist}, positions=pos,
+                      method=method)
     return torch_backend.verify(plan)
 
 
@@ -245,10 +248,7 @@ def _dist_outputs(logits, d, ks, batch, pos, method, extra):
     out, counts = _triton_verify(logits, d, ks, batch, pos, method=method, **extra)
     assert "triton.processing.fused" in counts
     assert not any(p.endswith(".general") for p in counts), counts
-    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
-                      **{"draft_logits": None, "draft_probs": None, **extra}, positions=pos,
-                      method=method)
-    ref, ref_err = torch_backend.verify(plan)
+    ref, ref_err = _torch_verify(logits, d, ks, batch, pos, method, **extra)
     assert not ref_err.any()
     return out, ref
 
@@ -507,10 +507,7 @@ def test_gpu_draft_distribution_equivalence_and_capture(kind):
         static["q"].copy_(extra[kind])
         static["pos"].add_(5)
         graph.replay()
-        plan = build_plan(rows, batch, draft_token_ids=drafts, num_draft_tokens=ks,
-                          **{"draft_logits": None, "draft_probs": None, **extra},
-                          positions=static["pos"].clone(), method="token")
-        ref, _ = torch_backend.verify(plan)
+        ref, _ = _torch_verify(rows, drafts, ks, batch, static["pos"].clone(), **extra)
         torch.cuda.synchronize()
         assert torch.equal(graph_out.token_ids, ref.token_ids), step
         batch.append(graph_out)  # (the next replay's penalties count these tokens)

@@ -937,22 +937,22 @@ def _temp_list(text: str) -> list[str]:
     return labels
 
 
-def _counts_list(text: str) -> list[str]:
-    labels = [x for x in text.split(",") if x]
-    bad = [x for x in labels if x not in ("varying", "device")]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown draft-count kind {bad[0]!r}; choose from "
-                                         "varying, device")
-    return labels
+def _kinds(what: str, allowed: tuple[str, ...], *, empty: bool) -> Callable[[str], list[str]]:
+    """The argparse type of a comma-separated list of ``allowed`` labels (``what`` names them
+    in the error; an empty list only where ``empty``)."""
+    def parse(text: str) -> list[str]:
+        labels = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in labels if x not in allowed] or ([] if labels or empty else [text])
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0]!r}; choose from "
+                                             + ", ".join(allowed))
+        return labels
+
+    return parse
 
 
-def _draft_list(text: str) -> list[str]:
-    kinds = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in kinds if x not in ("onehot", "draft_logits", "draft_probs")]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"unknown draft kind(s) {bad or text!r}; choose from "
-                                         "onehot, draft_logits, draft_probs")
-    return kinds
+_counts_list = _kinds("draft-count kind", ("varying", "device"), empty=True)
+_draft_list = _kinds("draft kind", ("onehot", "draft_logits", "draft_probs"), empty=False)
 
 
 def _option_list(text: str) -> list[str]:

@@ -409,7 +409,7 @@ def separate_launches():
 
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
               filtered: bool, rank: bool = False, finish: tuple | None = None,
-              draft: tuple | None = None, pen: bool = False):
+              draft: tuple | None = None, pen: bool = False, pen_args: tuple | None = None):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
     (``row_j <= k_eff`` of its request): x [R, V] the rows (model dtype, or the general path's
     float32 processed logits with ``temp`` all ones), temp [N] float32, draft_ids [>= max
@@ -427,7 +427,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     draft rows too (:func:`_launch_stats`: in the target rows' launch, or one of their own
     for many rows of probabilities), and ``sample_kernel`` combines their splits into that
     buffer (max, log-normaliser, flags). ``pen``: the kernels apply the batch's logit_bias
-    and penalties to the rows as they read them (:func:`fused_processing`).
+    and penalties to the rows as they read them (:func:`fused_processing`), with the
+    arguments ``pen_args`` (:func:`_pen_args`; made here when not given).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
     NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
@@ -446,7 +447,8 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
                    workspace.scratch("rank.count", (rows,), torch.int32, dev))
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
-    pen_args = _pen_args(plan, pen)
+    if pen_args is None:
+        pen_args = _pen_args(plan, pen)
     if finish is not None and not filtered and one_launch():
         tpc = PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK
         s, cps, nt = _splits(rows, plan.vocab_size, tpc, dev)
@@ -557,6 +559,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     req_temp = batch.temperature
     draft_ids = (plan.draft_token_ids if plan.draft_token_ids.numel()
                  else workspace.zeros((1,), torch.int64, dev))  # (read by no kernel)
+    pen_args = _pen_args(plan, pen)
     fused_logprobs = batch.max_logprobs >= 0 and logprobs_kernels.supported(plan, general)
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
@@ -594,7 +597,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
                   rank=fused_logprobs and batch.max_logprobs > 0,
                   finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
                       plan.row_start, token_ids, num_accepted, err, invalid, res_row,
-                      k, *lp_args), draft=draft_rows, pen=pen)
+                      k, *lp_args), draft=draft_rows, pen=pen, pen_args=pen_args)
     if draft is None:  # (never read: no draft distribution)
         draft, dstride, dv, dstats = part_m, 0, 1, stats
 
@@ -605,7 +608,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     # finish's p(d_j), the residual's masses and draw) process them too: PEN 2 serves
     # logit_bias alone as well (its penalties are skipped at run time), one variant fewer.
     dist_pen = 2 if pen and plan.has_draft_dist else 0
-    dist_pen_args = (draft_ids, *_pen_args(plan, bool(dist_pen)))
+    dist_pen_args = (draft_ids, *(pen_args if dist_pen else _pen_args(plan, False)))
     dist_options = PEN_OPTIONS if dist_pen else {}
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1
@@ -878,6 +881,25 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                     calls += 3
         return calls
 
+    def with_drafts(rows, drafts, batch, method: str) -> int:
+        """verify() of ``batch`` with draft logits and draft probabilities of every dtype;
+        the number of calls."""
+        calls = 0
+        for ddtype in dtypes:
+            dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
+            probs = torch.softmax(dl.float(), -1).to(ddtype)
+            for extra in (dict(draft_logits=dl), dict(draft_probs=probs)):
+                verify(rows, drafts, k, batch, positions=pos, method=method, strict=False,
+                       **extra)
+                calls += 1
+                if method == "block" and "token" not in methods:
+                    # block calls whose k_i are all <= 1 draw their corrections from
+                    # residual_mass_kernel's masses, as token level does
+                    verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos, method=method,
+                           strict=False, **{key: v[:2] for key, v in extra.items()})
+                    calls += 1
+        return calls
+
     def every_kind() -> int:
         calls = 0
         for dtype in dtypes:
@@ -894,18 +916,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 # with a draft distribution: the kernels after the statistics process the
                 # target values they read (PEN 2 for bias and penalties alike)
                 for method in methods:
-                    for ddtype in dtypes:
-                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
-                        probs = torch.softmax(dl.float(), -1).to(ddtype)
-                        for extra in (dict(draft_logits=dl), dict(draft_probs=probs)):
-                            verify(rows, drafts, k, batch, positions=pos, method=method,
-                                   strict=False, **extra)
-                            calls += 1
-                            if method == "block" and "token" not in methods:
-                                verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos,
-                                       method=method, strict=False,
-                                       **{key: v[:2] for key, v in extra.items()})
-                                calls += 1
+                    calls += with_drafts(rows, drafts, batch, method)
             for plist in (params, filtered, general):
                 batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
                 sample(target, batch, positions=pos, strict=False)
@@ -925,23 +936,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 calls += 4 - (plist is general)
                 for method in methods:
                     verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
-                    calls += 1
-                    for ddtype in dtypes:
-                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
-                        verify(rows, drafts, k, batch, draft_logits=dl, positions=pos,
-                               method=method, strict=False)
-                        probs = torch.softmax(dl.float(), -1).to(ddtype)
-                        verify(rows, drafts, k, batch, draft_probs=probs, positions=pos,
-                               method=method, strict=False)
-                        calls += 2
-                        if method == "block" and "token" not in methods:
-                            # block calls whose k_i are all <= 1 draw their corrections
-                            # from residual_mass_kernel's masses, as token level does
-                            for extra in (dict(draft_logits=dl[:2]),
-                                          dict(draft_probs=probs[:2])):
-                                verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos,
-                                       method=method, strict=False, **extra)
-                            calls += 2
+                    calls += 1 + with_drafts(rows, drafts, batch, method)
                 if plist is general and methods:
                     # top-n processed logprobs on the general path with a draft distribution:
                     # the statistics pass of its float32 rows with tile maxima, in the launch

@@ -83,15 +83,25 @@ def process(x, offs, lo, hi, req, j, state, pen, PENALTIES: tl.constexpr):
             d = tl.load(draft_ids_ptr + ds + jj)
             if (d >= lo) & (d < hi):  # (most loads hold none of the drafts)
                 c += tl.where(offs == d, 1.0, 0.0)
-        counted = c > 0
-        if rep != 1.0:
-            seen = counted | (tl.load(prompt_ptr + o, mask=ok, other=0) != 0)
-            x = tl.where(seen, tl.where(x > 0, tl.div_rn(x, rep), x * rep), x)
-        if (f != 0.0) | (p != 0.0):
-            # (two roundings, as PyTorch's z - f * count: the kernels that call this compile
-            # without floating-point contraction, enable_fp_fusion=False)
-            x = tl.where(counted, x - f * c - p, x)
+        x = _penalise(x, c, prompt_ptr + o, ok, rep, f, p)
     return x, (a, e, tok, rep, f, p, on, ds)
+
+
+@triton.jit
+def _penalise(x, c, prompt_ptrs, ok, rep, f, p):
+    """The penalties' float32 operations on values ``x`` with counts ``c`` (output tokens plus
+    the drafts before the row): repetition at counted tokens and at the prompt flags
+    ``prompt_ptrs`` (read where ``ok``, and only with a repetition penalty), then frequency
+    and presence at counted tokens. Lanes with ``c`` 0 and no prompt flag keep their value."""
+    counted = c > 0
+    if rep != 1.0:
+        seen = counted | (tl.load(prompt_ptrs, mask=ok, other=0) != 0)
+        x = tl.where(seen, tl.where(x > 0, tl.div_rn(x, rep), x * rep), x)
+    if (f != 0.0) | (p != 0.0):
+        # (two roundings, as PyTorch's z - f * count: the kernels that call this compile
+        # without floating-point contraction, enable_fp_fusion=False)
+        x = tl.where(counted, x - f * c - p, x)
+    return x
 
 
 @triton.jit
@@ -131,11 +141,6 @@ def process_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
             ds = tl.load(draft_start_ptr + req)
             for jj in range(0, tl.max(tl.where(live, j, 0), axis=0)):
                 d = tl.load(draft_ids_ptr + ds + jj)
-                c += tl.where((jj < j) & (tok == d), 1.0, 0.0)
-            counted = c > 0
-            if rep != 1.0:
-                seen = counted | (tl.load(prompt_ptr + o, mask=live, other=0) != 0)
-                x = tl.where(seen & live, tl.where(x > 0, tl.div_rn(x, rep), x * rep), x)
-            if (f != 0.0) | (p != 0.0):
-                x = tl.where(counted & live, x - f * c - p, x)
+                c += tl.where(live & (jj < j) & (tok == d), 1.0, 0.0)
+            x = _penalise(x, c, prompt_ptr + o, live, rep, f, p)
     return x
