@@ -77,17 +77,22 @@ def test_eos_ids_checked():
         SamplingBatch.from_params([SamplingParams()], vocab_size=8, eos_token_ids=[-1])
 
 
-def test_bans_take_the_general_path(backend):
+def test_bans_run_in_the_kernels(backend):
+    # On the Triton backend the kernels apply the bans (with logprobs: the general path).
     v = 8
     x = torch.zeros(2, v)
     for p in (SamplingParams(allowed_token_ids=[1]), SamplingParams(bad_words_token_ids=[[2]]),
-              SamplingParams(min_tokens=1, stop_token_ids=[3])):
+              SamplingParams(min_tokens=1, stop_token_ids=[3]),
+              SamplingParams(min_tokens=1, stop_token_ids=[3], logprobs=1)):
         batch = SamplingBatch.from_params([p, SamplingParams()], vocab_size=v)
         assert batch.needs_bans and batch.needs_general_path
         paths.reset()
         specsample.sample(x, batch)
-        name = "triton.sample.general" if backend == "triton" else "torch.sample"
+        fused = p.logprobs is None
+        name = ("torch.sample" if backend == "torch" else
+                "triton.sample.fused" if fused else "triton.sample.general")
         assert name in paths.counts()
+        assert ("triton.processing.fused" in paths.counts()) == (backend == "triton" and fused)
     # min_tokens already reached, or no stop token: nothing to ban
     for p, outputs in ((SamplingParams(min_tokens=1, stop_token_ids=[3]), [[4]]),
                        (SamplingParams(min_tokens=5), [[]])):

@@ -249,7 +249,7 @@ def test_append_is_captured_in_a_cuda_graph():
 
 @pytest.mark.gpu
 def test_append_with_penalties_and_bad_words_is_captured():
-    # The general path (penalties, bans) cannot be captured, but append() alone can: its
+    # append() alone is captured too (without the sampler call that reads its state): its
     # count, tail and min_tokens updates replay with new outputs copied in.
     from specsample.bench import capture_graph
 

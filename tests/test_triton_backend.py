@@ -39,9 +39,8 @@ FILTERS = [dict(top_k=7, top_p=0.9, min_p=0.01), dict(top_k=1), dict(top_p=1e-6)
 
 def _params(gen: torch.Generator, n: int, *, processors: bool | str) -> list[SamplingParams]:
     """Mixed temperatures; with ``processors`` every other request sets bias, penalties and
-    filters (the fused path, with any draft kind; the general path with
-    ``processors="bans"``, which adds a bad word), with ``processors="filters"`` only filters
-    (the fused path)."""
+    filters (the fused path, with any draft kind; ``processors="bans"`` adds a bad word), with
+    ``processors="filters"`` only filters (the fused path)."""
     out = []
     for i in range(n):
         t = [0.0, 0.7, 1.0, 1e-5, 1.5][int(torch.randint(0, 5, (), generator=gen))]
@@ -395,12 +394,12 @@ def test_filtered_path_edge_rows(rows):
 
 
 @pytest.mark.parametrize("kind,processors,path", [
-    ("onehot", "bans", "triton.verify.general"),
-    ("draft_logits", "bans", "triton.verify.general"),
-    # (bias, penalties and filters in the kernels, with one-hot drafts or draft logits)
+    # (bans, bias, penalties and filters in the kernels, with one-hot drafts or draft logits)
+    ("onehot", "bans", "triton.verify.filtered"),
+    ("draft_logits", "bans", "triton.verify.filtered"),
     ("draft_logits", True, "triton.verify.filtered"),
     ("onehot", True, "triton.verify.filtered")])
-def test_general_path_matches(kind, processors, path):
+def test_processors_in_kernels_match(kind, processors, path):
     case = _case(11, 5, 200, torch.bfloat16, kind, processors=processors)
     _, ran = _compare(*case, "token")
     assert ran == path

@@ -1,5 +1,6 @@
-"""logit_bias and penalties applied inside the Triton kernels (``triton_backend.penalties``):
-the same tokens, error bits and paths as the torch backend, which the float64 reference and
+"""Bans (allowed_token_ids, bad words, min_tokens), logit_bias and penalties applied inside the
+Triton kernels (``triton_backend.penalties``): the same tokens, error bits and paths as the
+torch backend, which the float64 reference and
 the statistical tests check (tests/test_processing.py, tests/test_exactness.py).
 
 On CPU the kernels run in Triton's interpreter (V <= 4096 and a few tiles); on a CUDA machine
@@ -37,10 +38,11 @@ CASES = [
 
 
 def _case(seed: int, n: int, vocab: int, dtype, params_kw: dict, *, k_max: int = 4,
-          history: int = 40):
+          history: int = 40, bans=None):
     """Rows whose largest logits sit on tokens the requests have seen (their outputs and
     prompts, and their drafts: the drafts are the row's argmax most of the time), so that the
-    penalties decide the draws."""
+    penalties decide the draws. ``bans(outputs, prompt)``: more params of the odd requests
+    (bans of their own tokens)."""
     gen = torch.Generator().manual_seed(seed)
     ks = [int(torch.randint(0, k_max + 1, (), generator=gen)) for _ in range(n)]
     rows = n + sum(ks)
@@ -62,7 +64,8 @@ def _case(seed: int, n: int, vocab: int, dtype, params_kw: dict, *, k_max: int =
                              **({} if i % 2 == 0 else {
                                  key: ({t: v for t, v in val.items() if t < vocab}
                                        if key == "logit_bias" else val)
-                                 for key, val in params_kw.items()}))
+                                 for key, val in params_kw.items()}
+                                | (bans(outputs[i], prompts[i]) if bans else {})))
               for i in range(n)]
     # greedy requests with the processors too: every other greedy one
     params[2] = dataclasses.replace(params[2], **params[1].__dict__ | {"temperature": 0.0,
@@ -399,17 +402,145 @@ def test_candidates_raised_by_processing(proc, top_k, want):
     assert got == want, got
 
 
-def test_bans_and_logprobs_keep_the_general_path():
-    # What the kernels do not apply with bias / penalties yet: the counted general path.
+def test_logprobs_keep_the_general_path():
+    # What the kernels do not apply with bans / bias / penalties yet: the counted general path.
     vocab = 300
     logits, d, ks, batch, pos = _case(4, 4, vocab, torch.bfloat16, CASES[0][1])
-    for extra in (dict(min_tokens=3, stop_token_ids=(4,)), dict(logprobs=0),
-                  dict(top_k=5, logprobs=0)):
+    for extra in (dict(logprobs=0), dict(top_k=5, logprobs=0),
+                  dict(min_tokens=3, stop_token_ids=(4,), logprobs=2)):
         params = [dataclasses.replace(p, **extra) for p in batch.params]
         b = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
                                       output_token_ids=[[1, 2]] * 4)
         _, counts = _triton_verify(logits, d, ks, b, pos)
         assert "triton.verify.general" in counts and "triton.processing.fused" not in counts
+
+
+# Bans of each request's own likely tokens (``_case`` raises its outputs' first six and its
+# prompt's first three tokens): every case changes the tokens (checked below).
+BAN_CASES = [
+    # the two likeliest tokens not allowed
+    ("allowed", lambda o, p: dict(allowed_token_ids=o[2:6] + p[:3] + [0, 1, 2, 3])),
+    # one-token words, a word completed by the last output (row 0), words completed by
+    # drafts (rows after a draft o[2] or o[3])
+    ("bad_words", lambda o, p: dict(bad_words_token_ids=[[o[0]], [o[-1], o[1]]] + [
+        [h, h2] for h in o[2:4] for h2 in o[2:5]])),
+    # (40 outputs so far: rows 0 and 1 ban the stop tokens, rows 2.. do not)
+    ("min_tokens", lambda o, p: dict(min_tokens=42, stop_token_ids=o[:4])),
+    ("all", lambda o, p: dict(allowed_token_ids=o[1:6] + p[:3] + [3, 2100] + list(range(
+        200, 260)), bad_words_token_ids=[[o[1]], [o[2], o[3]]], min_tokens=41,
+        stop_token_ids=[o[4], p[0]], top_k=5, top_p=0.9) | CASES[3][1]),
+    # (the draft-distribution tests: bans alone, on the tokens drafted most)
+    ("words+stops", lambda o, p: dict(bad_words_token_ids=[[o[0]], [o[2], o[1]]],
+                                      min_tokens=42, stop_token_ids=o[1:4])),
+]
+
+
+def _bans_case(name: str, vocab: int = 2 * 2048 + 37, **kw):
+    bans = dict(BAN_CASES)[name]
+    return _case(3, 6, vocab, torch.bfloat16, {}, bans=bans, **kw)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in BAN_CASES[:4]])
+def test_bans_match_torch_backend(name):
+    # Bans in the kernels (with bias, penalties and filters in "all"): the torch backend's
+    # tokens. Power: without the bans the tokens differ.
+    logits, d, ks, batch, pos = _bans_case(name)
+    path = "triton.verify.filtered" if name == "all" else "triton.verify.fused"
+    out = _verify_as_torch(logits, d, ks, batch, pos, path)
+    plain, _ = _triton_verify(logits, d, ks, _plain(batch), pos)
+    assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
+
+
+@pytest.mark.parametrize("name,kind,method", [("words+stops", *DIST_KINDS[0]),
+                                              ("words+stops", *DIST_KINDS[3]),
+                                              ("all", *DIST_KINDS[1])])
+def test_bans_with_draft_distributions_match_torch_backend(name, kind, method):
+    # The finish's p(d_j) is 0 at a banned draft, and the residual excludes banned tokens.
+    logits, d, ks, batch, pos = _bans_case(name)
+    extra = _with_draft_dist(logits, ks, kind, 1)
+    out, ref = _dist_outputs(logits, d, ks, batch, pos, method, extra)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu()), (out.token_ids, ref.token_ids)
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replaces kernel functions (Triton's interpreter)")
+def test_bans_with_draft_distributions_fail_without_bans_at_the_finish(monkeypatch):
+    # Power of the test above for the finish: with p(d_j) taken without the bans, a banned
+    # draft can be accepted, and the tokens differ from the torch backend's.
+    from specsample.triton_backend import kernels
+
+    monkeypatch.setattr(kernels, "process_at", _at_without_bans)
+    logits, d, ks, batch, pos = _bans_case("words+stops")
+    out, ref = _dist_outputs(logits, d, ks, batch, pos, "token",
+                             _with_draft_dist(logits, ks, "draft_logits", 1))
+    assert not torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+
+
+_PROCESS_AT = triton_backend.penalties.process_at
+
+
+@triton.jit
+def _at_without_bans(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
+    (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
+     draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV) = pen
+    return _PROCESS_AT(x, tok, req, j, live, (
+        rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
+        draft_ids_ptr, draft_start_ptr, ban_ptr, 0, KP, aslot_ptr, amask_ptr, 0), PENALTIES)
+
+
+def test_bans_sample_matches_torch_backend():
+    logits, _, _, batch, pos = _bans_case("all", vocab=3000, k_max=0)
+    out, ref = _sample_both(logits, batch, pos)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    plain, _ = _sample_both(logits, _plain(batch), pos)
+    assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
+
+
+def test_bans_that_leave_no_token_and_bad_rows_match_torch_backend():
+    # Bans that leave no finite logit: ERR_BANS (allowed tokens at -inf; a bad word on the
+    # only finite token at row 0 and a stop token at row 1, both banned there); a NaN at a
+    # token the allowed list bans stays ERR_LOGITS_NAN; a bias overflow at an allowed token
+    # stays ERR_PROCESSED_OVERFLOW; a row with one allowed finite token is fine.
+    vocab = 300
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[0, 7] = float("-inf")
+    logits[1, :] = float("-inf")
+    logits[1, 5] = 1.0
+    logits[2, 9] = float("nan")
+    logits[3, 4] = 3e38
+    logits[4:, :] = float("-inf")
+    logits[4:, 6] = 2.0
+    params = [SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[7]),
+              SamplingParams(temperature=0.0, bad_words_token_ids=[[5]]),
+              SamplingParams(temperature=0.8, seed=3, allowed_token_ids=[1, 2]),
+              SamplingParams(temperature=1.0, seed=4, allowed_token_ids=[4, 8],
+                             logit_bias={4: 3e38}),
+              SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[6, 8], min_tokens=1,
+                             stop_token_ids=[9])]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    logits = logits.to(DEVICE)
+    d = torch.tensor([6], device=DEVICE)  # (request 4's draft, accepted: token 6)
+    pos = torch.arange(5, device=DEVICE)
+    ks = [0, 0, 0, 0, 1]
+    out, counts = _triton_verify(logits, d, ks, batch, pos)
+    assert "triton.verify.fused" in counts and "triton.processing.fused" in counts
+    ref, ref_err = _torch_verify(logits, d, ks, batch, pos)
+    assert ref_err.tolist() == [torch_backend.ERR_BANS, torch_backend.ERR_BANS,
+                                torch_backend.ERR_LOGITS_NAN,
+                                torch_backend.ERR_PROCESSED_OVERFLOW, 0]
+    assert out.invalid.tolist() == [True, True, True, True, False]
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert out.token_ids[4].tolist() == [6, 6]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSAMPLE_BACKEND", "triton")
+        with pytest.raises(specsample.SamplingError) as info:
+            specsample.verify(logits, d, ks, batch, positions=pos, strict=True)
+    text = str(info.value)
+    assert info.value.requests == [0, 1, 2, 3]
+    for reason in (torch_backend.ERR_BANS, torch_backend.ERR_LOGITS_NAN,
+                   torch_backend.ERR_PROCESSED_OVERFLOW):
+        assert torch_backend.ERROR_NAMES[reason] in text, text
 
 
 @pytest.mark.gpu
@@ -423,22 +554,33 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab, filt):
     # processed rows.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    _, _, _, batch, pos = _case(11, 16, vocab, torch.bfloat16, CASES[3][1] | filt,
+                                history=2048)
+    counts = _gpu_equivalence_and_capture(batch, pos, vocab, seed=12, replays=3)
+    assert ("triton.verify.filtered" in counts) == bool(filt)
+
+
+def _gpu_equivalence_and_capture(batch, pos, vocab: int, *, seed: int, replays: int) -> dict:
+    """GPU: verify() of ``batch`` (K = 4 drafts each: the graph's shape) on random bf16 rows
+    whose drafts are the rows' argmax gives the torch backend's tokens on the fused path
+    with the processing in the kernels and no host synchronisation; a captured call replays
+    ``replays`` times with new rows and drafts, the same tokens as the torch backend, and
+    sees the outputs that ``batch.append()`` adds between replays. The first call's path
+    counts."""
     from specsample.bench import capture_graph
 
-    logits, d, ks, batch, pos = _case(11, 16, vocab, torch.bfloat16, CASES[3][1] | filt,
-                                      history=2048)
-    ks = [4] * 16  # (a fixed draft count per request: the graph's shape)
-    gen = torch.Generator().manual_seed(12)
+    n = batch.num_requests
+    ks = [4] * n
+    gen = torch.Generator().manual_seed(seed)
 
     def inputs():
-        rows = (torch.randn(16 * 5, vocab, generator=gen) * 2).to(torch.bfloat16).to("cuda")
-        drafts = rows.float().argmax(-1).view(16, 5)[:, :4].reshape(-1).contiguous()
+        rows = (torch.randn(n * 5, vocab, generator=gen) * 2).to(torch.bfloat16).to("cuda")
+        drafts = rows.float().argmax(-1).view(n, 5)[:, :4].reshape(-1).contiguous()
         return rows, drafts
 
     rows, drafts = inputs()
     out, counts = _triton_verify(rows, drafts, ks, batch, pos)
     assert "triton.processing.fused" in counts
-    assert ("triton.verify.filtered" in counts) == bool(filt)
     ref, _ = _torch_verify(rows, drafts, ks, batch, pos)
     assert torch.equal(out.token_ids, ref.token_ids)
     torch.cuda.synchronize()
@@ -450,7 +592,7 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab, filt):
     static = {"x": rows.clone(), "d": drafts.clone(), "pos": pos.clone()}
     graph, graph_out = capture_graph(lambda: specsample.verify(
         static["x"], static["d"], ks, batch, positions=static["pos"], strict=False))
-    for step in range(3):
+    for step in range(replays):
         rows, drafts = inputs()
         static["x"].copy_(rows)
         static["d"].copy_(drafts)
@@ -459,7 +601,9 @@ def test_gpu_equivalence_no_host_sync_and_capture(vocab, filt):
         ref, _ = _torch_verify(rows, drafts, ks, batch, static["pos"].clone())
         torch.cuda.synchronize()
         assert torch.equal(graph_out.token_ids, ref.token_ids), step
-        batch.append(graph_out)  # (the next replay's penalties count these tokens)
+        assert not graph_out.invalid.any()
+        batch.append(graph_out)  # (the next replay's bans and penalties see these tokens)
+    return counts
 
 
 
@@ -511,3 +655,23 @@ def test_gpu_draft_distribution_equivalence_and_capture(kind):
         torch.cuda.synchronize()
         assert torch.equal(graph_out.token_ids, ref.token_ids), step
         batch.append(graph_out)  # (the next replay's penalties count these tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_bans_equivalence_no_host_sync_and_capture():
+    # Bans with bias, penalties and filters at V = 151,936: the torch backend's tokens, no
+    # host synchronisation, and a captured call whose replays see the output count (min_tokens
+    # runs out after the first replays) and context tail (bad words) that append() updates.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    vocab, n = 151936, 16
+
+    def bans(o, p):
+        return dict(allowed_token_ids=o[:1000] + list(range(5000, 9000)),
+                    bad_words_token_ids=[[o[1]], [o[2], o[3]], [o[5], o[6], o[7]]],
+                    min_tokens=2048 + 6, stop_token_ids=o[8:12], top_k=50, top_p=0.95)
+
+    _, _, _, batch, pos = _case(15, n, vocab, torch.bfloat16, CASES[3][1], history=2048,
+                                bans=bans)
+    counts = _gpu_equivalence_and_capture(batch, pos, vocab, seed=16, replays=4)
+    assert "triton.verify.filtered" in counts

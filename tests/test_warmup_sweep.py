@@ -45,6 +45,11 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                dict(temperature=t(), seed=7, allowed_token_ids=list(range(0, vocab, 7))),
                dict(temperature=t(), bad_words_token_ids=[[5, 9], [11]], min_tokens=3,
                     stop_token_ids=[2])]
+    # (bans alone: processed in the kernels as logit_bias alone is)
+    bans = [dict(temperature=t(), seed=13, allowed_token_ids=list(range(3, vocab, 5))),
+            dict(temperature=0.0, bad_words_token_ids=[[5, 9], [11]], min_tokens=3,
+                 stop_token_ids=[2], top_p=0.9),
+            dict(temperature=t())]
     logprobs = [dict(temperature=t(), seed=8, logprobs=5),
                 dict(temperature=0.0, logprobs=0, logprobs_mode="processed"),
                 dict(temperature=t(), logprobs=20, logprobs_mode="processed", top_p=0.9),
@@ -62,7 +67,7 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                     dict(temperature=0.0, logprobs=4, logprobs_mode="processed",
                          logit_bias={4: 1.0})]
     return {name: [P(**kw) for kw in mix] for name, mix in
-            (("plain", plain), ("filters", filters), ("general", general),
+            (("plain", plain), ("filters", filters), ("general", general), ("bans", bans),
              ("logprobs", logprobs), ("general_lp", general_lp),
              ("general_topn", general_topn))}
 

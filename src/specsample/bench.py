@@ -77,6 +77,7 @@ COPY_BYTES_CPU = 256 * 2**20
 ONEHOT_TOP_PROB = 0.7  # a one-hot draft is the row's top token with this probability
 DRAFT_NOISE = 1.0  # std of the Gaussian noise added to target logits to make draft logits
 NOOP_BIAS = {0: 0.0}  # a logit_bias that changes no logit (the unfused baseline's batch)
+HISTORY = 2048  # output tokens per request of the penalty and ban cases (random ids)
 #: Option cases (label -> temperature and SamplingParams fields): the filters of common open
 #: models' generation configs, and the logprobs that API servers and RL rollouts ask for.
 OPTION_CASES = {
@@ -95,9 +96,15 @@ OPTION_CASES = {
     # penalties with the filters: Qwen2.5's generation config, and top_p with presence
     "T0.7+k20+p0.8+rep1.05": (0.7, dict(top_k=20, top_p=0.8, repetition_penalty=1.05)),
     "T0.6+p0.9+pres0.5": (0.6, dict(top_p=0.9, presence_penalty=0.5)),
+    # bans: BAD_WORDS random bad words of 1-3 tokens and min_tokens (2 random stop tokens,
+    # banned at rows 0-7: HISTORY outputs so far); ALLOWED random allowed ids per request
+    "T1.0+bans": (1.0, dict(bad_words_token_ids="random", min_tokens=HISTORY + 8,
+                            stop_token_ids="random")),
+    "T1.0+allowed1024": (1.0, dict(allowed_token_ids="random")),
 }
-HISTORY = 2048  # output tokens per request of the penalty cases (random ids)
 BIAS_TOKENS = 16  # logit_bias entries per request of the bias case (random ids, |bias| <= 2)
+BAD_WORDS = 8  # bad words per request of the ban case (random ids)
+ALLOWED = 1024  # allowed ids per request of the allowed_token_ids case (random ids)
 
 # Performance targets (GPU, graph replay; docs/design.md).
 VERIFY_FLOOR_RATIO = 1.25  # at B = 128
@@ -274,8 +281,9 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     ``logit_bias={0: 0.0}`` to every request without a logit_bias: adding 0.0 changes no
     logit, but any logit_bias makes ``SamplingBatch.needs_general_path`` true (and
     :func:`make_call`'s "unfused" variant runs inside ``triton_backend.general_path()``), so
-    the call takes the general path. The penalty cases give every request HISTORY random
-    output tokens; "T1.0+bias16" BIAS_TOKENS random ids biased by U(-2, 2) each.
+    the call takes the general path. The penalty and ban cases give every request HISTORY
+    random output tokens; "T1.0+bias16" BIAS_TOKENS random ids biased by U(-2, 2) each, the ban
+    cases random words, stop tokens and allowed ids (``OPTION_CASES``).
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -288,20 +296,32 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0) -> Inputs:
     else:
         temps = request_temperatures(case.temperature, n)
     history = None
-    if any(key.endswith("_penalty") for key in extra):
+    if any(key.endswith("_penalty") or key in ("min_tokens", "bad_words_token_ids")
+           for key in extra):
         history = torch.randint(0, case.vocab, (n, HISTORY), generator=gen, device=device)
         history = history.tolist()
+    own = [{} for _ in range(n)]  # (the per-request random fields of the ban cases)
+    extra = dict(extra)
+    sizes = {"bad_words_token_ids": BAD_WORDS * 2, "stop_token_ids": 2,
+             "allowed_token_ids": ALLOWED}
+    for key in [key for key, v in extra.items() if v == "random" and key in sizes]:
+        ids = torch.rand(n, case.vocab, generator=gen, device=device).argsort(1)[:, :sizes[key]]
+        for i, row in enumerate(ids.tolist()):
+            # (bad words of 1, 2, 3, 1, 2, ... tokens from the row's ids)
+            own[i][key] = (row if key != "bad_words_token_ids" else
+                           [row[2 * w:2 * w + 1 + w % 3] for w in range(BAD_WORDS)])
+        del extra[key]
     biases = [NOOP_BIAS] * n
     if extra.get("logit_bias") == "random":  # (distinct ids: the first of a random order)
         ids = torch.rand(n, case.vocab, generator=gen, device=device).argsort(1)[:, :BIAS_TOKENS]
         vals = 4 * torch.rand(n, BIAS_TOKENS, generator=gen, device=device) - 2
         biases = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         extra = {key: v for key, v in extra.items() if key != "logit_bias"}
-    params = [SamplingParams(temperature=t, seed=1000 + i, **extra,
+    params = [SamplingParams(temperature=t, seed=1000 + i, **extra, **own[i],
                              **({} if biases[i] is NOOP_BIAS else {"logit_bias": biases[i]}))
               for i, t in enumerate(temps)]
-    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=biases[i], **extra)
-               for i, t in enumerate(temps)]
+    general = [SamplingParams(temperature=t, seed=1000 + i, logit_bias=biases[i], **extra,
+                              **own[i]) for i, t in enumerate(temps)]
     logits = zipf_logits(sum(ks) + n, case.vocab, dtype=DTYPES[case.dtype], device=device,
                          generator=gen)
     drafts = draft_logits = draft_probs = parents = None

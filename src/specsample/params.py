@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -226,6 +227,18 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
         allowed_mask[slot, list(params[i].allowed_token_ids)] = True
     words = [(i, word) for i, p in enumerate(params) for word in p.bad_words_token_ids or ()]
     width = max((len(word) - 1 for _, word in words), default=0)
+    # (request i's bad words are bad_start[i] .. bad_start[i + 1] - 1, its stop entries
+    # likewise: the Triton kernels' ban table reads them by request)
+    n_words = [len(p.bad_words_token_ids or ()) for p in params]
+    n_stops = [0] * len(params)
+    for i in stop_req:
+        n_stops[i] += 1
+    bad_start = [0, *itertools.accumulate(n_words)]
+    stop_start = [0, *itertools.accumulate(n_stops)]
+    used = [a + b for a, b in zip(n_words, n_stops)]
+    allowed_slot = [-1] * len(params)
+    for slot, i in enumerate(allowed_users):
+        allowed_slot[i] = slot
     bad_prefix = torch.full((len(words), width), -1, dtype=torch.int64)
     for w, (_, word) in enumerate(words):
         if len(word) > 1:
@@ -259,6 +272,10 @@ def _static_fields(params: tuple[SamplingParams, ...], vocab_size: int, eos: tup
         bad_req=i64([i for i, _ in words]),
         bad_prefix=bad_prefix.to(device),
         bad_last=i64([word[-1] for _, word in words]),
+        bad_start=i64(bad_start),
+        stop_start=i64(stop_start),
+        ban_width=max(used, default=0),
+        allowed_slot=torch.tensor(allowed_slot, dtype=torch.int32, device=device),
         user_seeded=any(p.seed is not None for p in params),
         any_greedy=not all(sampled),
         any_sampled=any(sampled),
@@ -345,6 +362,12 @@ class SamplingBatch:
     bad_req: torch.Tensor  # [nw] int64, one entry per bad word
     bad_prefix: torch.Tensor  # [nw, W] int64 the word's tokens but its last, right-aligned, -1 pad
     bad_last: torch.Tensor  # [nw] int64 the word's last token (the one banned)
+    # [N + 1] int64: request i's bad words are bad_start[i] .. bad_start[i + 1] - 1, its stop
+    # entries stop_start[i] .. stop_start[i + 1] - 1 (the Triton kernels' ban table)
+    bad_start: torch.Tensor
+    stop_start: torch.Tensor
+    ban_width: int  # the most bad words + stop entries of one request (0 without any)
+    allowed_slot: torch.Tensor  # [N] int32 the request's row of allowed_mask, -1 for none
     context_tail: torch.Tensor  # [N, W] int64 last W tokens of prompt + outputs, -1 padded left
     # [1] int64: calls so far with positions=None (plus a random start); plan.fresh_positions
     # reads it and advances it in place, so replayed CUDA graphs draw fresh noise too.
@@ -390,18 +413,17 @@ class SamplingBatch:
 
     @property
     def processing_in_kernels(self) -> bool:
-        """True when the batch sets logit_bias or penalties, with or without min_p / top_k /
-        top_p, and no bans or logprobs: the Triton kernels apply them
+        """True when the batch sets bans, logit_bias or penalties, with or without min_p /
+        top_k / top_p, and no logprobs: the Triton kernels apply them
         (``triton_backend.fused_processing``), with one-hot drafts or a draft distribution."""
-        return ((self.needs_bias or self.needs_penalties) and not self.needs_bans
-                and self.max_logprobs < 0)
+        return self.needs_general_path and self.max_logprobs < 0
 
     @property
     def needs_general_path(self) -> bool:
         """True when a processor beyond temperature and the filters is active (bans, bias,
-        penalties). On the Triton backend bans always take the counted general path, and bias
-        and penalties do unless the kernels apply them (``triton_backend.fused_processing``:
-        no bans or logprobs). Temperature and the filters (min_p, top_k, top_p) are fused."""
+        penalties). On the Triton backend they take the counted general path unless the
+        kernels apply them (``triton_backend.fused_processing``: no logprobs). Temperature and
+        the filters (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
     @staticmethod
@@ -795,6 +817,7 @@ class SamplingBatch:
             return False
         static = _static_fields(self.params, self.vocab_size, self.eos_token_ids, self.device,
                                 keep)
-        for name in ("stop_req", "stop_ids", "stop_users", "needs_bans"):
+        for name in ("stop_req", "stop_ids", "stop_users", "stop_start", "ban_width",
+                     "needs_bans"):
             setattr(self, name, static[name])
         return True

@@ -7,16 +7,18 @@ Paths (``specsample.paths``):
 * ``triton.sample.filtered`` / ``triton.verify.filtered``: the fused path with min_p / top_k /
   top_p: the kernels of ``filters`` find each row's cut exactly from the model's own logits
   (no sort of the row, no FP32 copy), then the same kernels draw from the survivors.
-* ``triton.sample.fused`` / ``triton.verify.fused`` also serve logit_bias and presence /
-  frequency / repetition penalties, applied as the kernels load each row (``penalties``:
-  the bias entries of the request, its output counts and prompt flags from the batch's
-  device state, the drafts before the row), when the batch has no bans or logprobs
+* ``triton.sample.fused`` / ``triton.verify.fused`` also serve bans (allowed_token_ids, bad
+  words, min_tokens), logit_bias and presence / frequency / repetition penalties, applied as
+  the kernels load each row (``penalties``: the row's banned tokens from
+  ``penalties.ban_table_kernel``, the request's row of the allowed mask, the bias entries of the
+  request, its output counts and prompt flags from the batch's device state, the drafts
+  before the row), when the batch has no logprobs
   (:func:`fused_processing`; with a draft distribution the finish and residual kernels
   process the target values they read too); the path ``triton.processing.fused`` counts
   those rows. With min_p / top_k / top_p too, the filter kernels read the rows
   processed the same way (``triton.*.filtered``).
-* ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, or logit_bias /
-  penalties beyond what the kernels apply (with logprobs); the
+* ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, logit_bias or
+  penalties beyond what the kernels apply (with logprobs in the batch); the
   processed float32 logits are materialised by ``specsample.processing`` (PyTorch), then the
   same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
@@ -66,7 +68,7 @@ from .. import paths, rng, workspace
 from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
-from . import filters, kernels, layout
+from . import filters, kernels, layout, penalties
 from . import logprobs as logprobs_kernels
 from .launch import _hooked, launch
 
@@ -143,11 +145,11 @@ MERGED_PROBS_MAX_ROWS = 64
 
 
 def fused_processing(plan: Plan) -> bool:
-    """Whether the kernels apply the batch's logit_bias and penalties themselves
+    """Whether the kernels apply the batch's bans, logit_bias and penalties themselves
     (``penalties``; the filter kernels too, on the processed rows, and with draft_logits /
     draft_probs the kernels that read target rows after the statistics: the finish's p(d_j),
     the residual's masses and draw) instead of the general path: a batch that sets some of
-    them, without bans or logprobs."""
+    them, without logprobs."""
     return plan.batch.processing_in_kernels and not _GENERAL.get()
 
 
@@ -173,27 +175,56 @@ def route(plan: Plan) -> str:
 
 
 def _pen_kind(plan: Plan, pen: bool) -> int:
-    """The kernels' PEN constexpr: 0 (no processing), 1 (logit_bias alone), 2 (penalties)."""
+    """The kernels' PEN constexpr: 0 (no processing), 1 (bans / logit_bias), 2 (penalties
+    too)."""
     return 0 if not pen else 2 if plan.batch.needs_penalties else 1
 
 
-def _pen_args(plan: Plan, on: bool) -> tuple:
+def _pen_args(plan: Plan, on: bool, draft_ids: torch.Tensor) -> tuple:
     """The kernels' ``penalties`` arguments (rep, freq, presence, counts, prompt mask, CV,
-    bias_start, bias ids, bias values) of the batch, or placeholders of the same dtypes when
-    not ``on`` (the batch's own tensors, never read: no look-up per call)."""
+    bias_start, bias ids, bias values, ban table, its width BW, its rows per request KP,
+    allowed slots, allowed mask, its width AV) of the batch (``draft_ids``: the call's draft
+    ids, which bad words read), or placeholders of the same dtypes when not ``on`` (the
+    batch's own tensors, never read: no look-up per call)."""
     batch, dev = plan.batch, plan.logits.device
     if not on:
-        f32, i64 = batch.temperature, batch.seed_lo
-        return (f32, f32, f32, f32, batch.logprobs_processed.view(torch.uint8), 0, i64, i64,
-                f32)
+        f32, i64, u8 = batch.temperature, batch.seed_lo, batch.logprobs_processed.view(
+            torch.uint8)
+        return (f32, f32, f32, f32, u8, 0, i64, i64, f32, i64, 0, 1, batch.allowed_slot, u8, 0)
     f32 = workspace.zeros((1,), torch.float32, dev)
     i64 = workspace.zeros((1,), torch.int64, dev)
+    u8 = workspace.zeros((1,), torch.uint8, dev)
     counts, cv = batch.output_counts, batch.output_counts.shape[1]
     prompt = batch.prompt_mask.view(torch.uint8)
     ids, vals = batch.bias_ids, batch.bias_val
+    av = batch.vocab_size if batch.allowed_users else 0
     return (batch.repetition_penalty, batch.frequency_penalty, batch.presence_penalty,
-            counts if cv else f32, prompt if cv else workspace.zeros((1,), torch.uint8, dev),
-            cv, batch.bias_start, ids if ids.numel() else i64, vals if vals.numel() else f32)
+            counts if cv else f32, prompt if cv else u8, cv, batch.bias_start,
+            ids if ids.numel() else i64, vals if vals.numel() else f32,
+            _ban_table(plan, draft_ids) if batch.ban_width else i64, batch.ban_width,
+            plan.max_k + 1, batch.allowed_slot,
+            batch.allowed_mask.view(torch.uint8) if av else u8, av)
+
+
+def _ban_table(plan: Plan, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The call's ban table: [N * (K + 1), ban_width] int64, row i * (K + 1) + j the tokens
+    that bad words and min_tokens ban at row j of request i, sorted, then
+    ``penalties.NO_ENTRY`` (``penalties.ban_table_kernel``, then a sort of each row). Two
+    launches, no host synchronisation."""
+    batch, dev = plan.batch, plan.logits.device
+    kp, width = plan.max_k + 1, batch.bad_prefix.shape[1]
+    rows = batch.num_requests * kp
+    table = torch.empty(rows, batch.ban_width, dtype=torch.int64, device=dev)
+
+    def given(t: torch.Tensor) -> torch.Tensor:  # (an empty tensor is never read)
+        return t if t.numel() else workspace.zeros((1,), torch.int64, dev)
+
+    launch(penalties.ban_table_kernel)[(rows,)](
+        table, kp, batch.ban_width, given(batch.context_tail), width, batch.bad_start,
+        given(batch.bad_prefix), given(batch.bad_last), batch.stop_start,
+        given(batch.stop_ids), batch.num_output, batch.min_tokens, plan.k_given, draft_ids,
+        plan.draft_start, num_warps=1)
+    return table.sort(dim=1).values
 
 
 def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple, *,
@@ -448,7 +479,7 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     draw_args = (batch.seed_lo, batch.seed_hi, plan.positions)
     interp = _interpreting(dev)
     if pen_args is None:
-        pen_args = _pen_args(plan, pen)
+        pen_args = _pen_args(plan, pen, draft_ids)
     if finish is not None and not filtered and one_launch():
         tpc = PEN_TILES_PER_CHUNK if pen else TILES_PER_CHUNK
         s, cps, nt = _splits(rows, plan.vocab_size, tpc, dev)
@@ -559,7 +590,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     req_temp = batch.temperature
     draft_ids = (plan.draft_token_ids if plan.draft_token_ids.numel()
                  else workspace.zeros((1,), torch.int64, dev))  # (read by no kernel)
-    pen_args = _pen_args(plan, pen)
+    pen_args = _pen_args(plan, pen, draft_ids)
     fused_logprobs = batch.max_logprobs >= 0 and logprobs_kernels.supported(plan, general)
     token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
@@ -608,7 +639,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     # finish's p(d_j), the residual's masses and draw) process them too: PEN 2 serves
     # logit_bias alone as well (its penalties are skipped at run time), one variant fewer.
     dist_pen = 2 if pen and plan.has_draft_dist else 0
-    dist_pen_args = (draft_ids, *(pen_args if dist_pen else _pen_args(plan, False)))
+    dist_pen_args = (draft_ids, *(pen_args if dist_pen else _pen_args(plan, False, draft_ids)))
     dist_options = PEN_OPTIONS if dist_pen else {}
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1
@@ -818,17 +849,20 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)]
     filtered = [SamplingParams(temperature=0.0),
                 SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
-    # (a bad word keeps the general path, whose kernels read float32 processed rows, whatever
-    # else the batch sets: logit_bias and filters alone would run in the kernels)
-    general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}, bad_words_token_ids=[[1]]),
+    # (the general path on purpose, general_path(), whose kernels read float32 processed rows)
+    general = [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
                SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, min_p=0.01)]
-    # logit_bias and penalties in the kernels (fused_processing): with penalties (the counts'
-    # row stride is V) and with logit_bias alone (0), which key apart when 16 does not divide V
+    # bans, logit_bias and penalties in the kernels (fused_processing): with penalties (the
+    # counts' row stride is V) and with bans and logit_bias alone (0), which key apart when 16
+    # does not divide V; the bans with the ban table's kernel
     penalised = [[SamplingParams(temperature=0.0, repetition_penalty=1.1, logit_bias={0: 0.5}),
                   SamplingParams(temperature=0.8, seed=1, presence_penalty=0.5,
                                  frequency_penalty=0.2)],
-                 [SamplingParams(temperature=0.0, logit_bias={0: 0.5}),
-                  SamplingParams(temperature=0.8, seed=1, logit_bias={1: -0.5})]]
+                 [SamplingParams(temperature=0.0, logit_bias={0: 0.5},
+                                 bad_words_token_ids=[[1], [2, 3]], min_tokens=2,
+                                 stop_token_ids=[4]),
+                  SamplingParams(temperature=0.8, seed=1, logit_bias={1: -0.5},
+                                 allowed_token_ids=list(range(0, vocab_size, 3)))]]
     # and with min_p / top_k / top_p: the filter kernels on the processed rows
     penalised_filtered = [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
                           for p, q in penalised]
@@ -846,13 +880,14 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 drafts = torch.randint(0, min(vocab_size, dv), (3,), generator=gen,
                                        device=device)
                 for plist in (params, general, *penalised):  # (general: float32 rows)
-                    for lp in (None, 0) if plist in (params, general) else (None,):
-                        batch = SamplingBatch.from_params(
-                            [dataclasses.replace(p, logprobs=lp) for p in plist],
-                            vocab_size=vocab_size, device=device)
-                        sample(target, batch, positions=pos, strict=False)
-                        verify(rows, drafts, k, batch, positions=pos, strict=False)
-                        calls += 2
+                    with general_path() if plist is general else contextlib.nullcontext():
+                        for lp in (None, 0) if plist in (params, general) else (None,):
+                            batch = SamplingBatch.from_params(
+                                [dataclasses.replace(p, logprobs=lp) for p in plist],
+                                vocab_size=vocab_size, device=device)
+                            sample(target, batch, positions=pos, strict=False)
+                            verify(rows, drafts, k, batch, positions=pos, strict=False)
+                            calls += 2
         # a device num_draft_tokens: the layout kernels (the rest of such a call launches the
         # variants of a host num_draft_tokens); not on the PyTorch backend (CPU tensors
         # without the interpreter), which has no kernel of its own
@@ -918,39 +953,40 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 for method in methods:
                     calls += with_drafts(rows, drafts, batch, method)
             for plist in (params, filtered, general):
-                batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
-                sample(target, batch, positions=pos, strict=False)
-                # the logprob kernels: top-n (raw and processed; processed alone, which the
-                # general path serves on the kernels), and the raw normaliser alone
-                for n_top, modes in ((2, ("raw", "processed")), (2, ("processed", "processed")),
-                                     (0, ("processed", "raw"))):
-                    if plist is general and n_top and "raw" in modes:
-                        # (the PyTorch path: no kernel of its own, and its gathers by token
-                        # id must not meet compile_pool.collect's unwritten outputs)
-                        continue
-                    with_lp = [dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
-                               for p, mode in zip(plist, modes)]
-                    sample(target, SamplingBatch.from_params(with_lp, vocab_size=vocab_size,
-                                                             device=device),
-                           positions=pos, strict=False)
-                calls += 4 - (plist is general)
-                for method in methods:
-                    verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
-                    calls += 1 + with_drafts(rows, drafts, batch, method)
-                if plist is general and methods:
-                    # top-n processed logprobs on the general path with a draft distribution:
-                    # the statistics pass of its float32 rows with tile maxima, in the launch
-                    # the draft rows share (the method does not change that variant)
-                    lp_batch = SamplingBatch.from_params(
-                        [dataclasses.replace(p, logprobs=2, logprobs_mode="processed")
-                         for p in plist], vocab_size=vocab_size, device=device)
-                    for ddtype in dtypes:
-                        dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
-                        for extra in (dict(draft_logits=dl),
-                                      dict(draft_probs=torch.softmax(dl.float(), -1).to(ddtype))):
-                            verify(rows, drafts, k, lp_batch, positions=pos, method=methods[0],
-                                   strict=False, **extra)
-                        calls += 2
+                with general_path() if plist is general else contextlib.nullcontext():
+                    batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+                    sample(target, batch, positions=pos, strict=False)
+                    # the logprob kernels: top-n (raw and processed; processed alone, which the
+                    # general path serves on the kernels), and the raw normaliser alone
+                    for n_top, modes in ((2, ("raw", "processed")), (2, ("processed", "processed")),
+                                         (0, ("processed", "raw"))):
+                        if plist is general and n_top and "raw" in modes:
+                            # (the PyTorch path: no kernel of its own, and its gathers by token
+                            # id must not meet compile_pool.collect's unwritten outputs)
+                            continue
+                        with_lp = [dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
+                                   for p, mode in zip(plist, modes)]
+                        sample(target, SamplingBatch.from_params(with_lp, vocab_size=vocab_size,
+                                                                 device=device),
+                               positions=pos, strict=False)
+                    calls += 4 - (plist is general)
+                    for method in methods:
+                        verify(rows, drafts, k, batch, positions=pos, method=method, strict=False)
+                        calls += 1 + with_drafts(rows, drafts, batch, method)
+                    if plist is general and methods:
+                        # top-n processed logprobs on the general path with a draft distribution:
+                        # the statistics pass of its float32 rows with tile maxima, in the launch
+                        # the draft rows share (the method does not change that variant)
+                        lp_batch = SamplingBatch.from_params(
+                            [dataclasses.replace(p, logprobs=2, logprobs_mode="processed")
+                             for p in plist], vocab_size=vocab_size, device=device)
+                        for ddtype in dtypes:
+                            dl = torch.randn(3, dv, generator=gen, device=device).to(ddtype)
+                            dp = torch.softmax(dl.float(), -1).to(ddtype)
+                            for extra in (dict(draft_logits=dl), dict(draft_probs=dp)):
+                                verify(rows, drafts, k, lp_batch, positions=pos,
+                                       method=methods[0], strict=False, **extra)
+                            calls += 2
         from . import tree as tree_kernels  # (imports specsample.tree, which imports this)
 
         if select_backend(device) == "triton":

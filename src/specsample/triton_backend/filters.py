@@ -31,12 +31,12 @@ float64, top_k by rank, top_p on float64 masses. Four launches after the statist
    from its candidates holds every survivor in them: ``select_kernel`` writes its sums from
    there and this pass skips it (no second read of its tiles).
 
-With logit_bias or penalties (PEN 1 or 2, ``triton_backend.fused_processing``) every read of
-a row goes through ``penalties.process`` (:func:`_load_values`), so the cut is that of the
-processed row z, as docs/semantics.md orders them (bias -> penalties -> temperature -> min_p
--> top_k -> top_p). Its keys are then float32 keys (SHIFT 0: a biased or penalised value need
-not be a bf16 / fp16 value), so its overflowing rows take the serial search, as float32 rows
-do.
+With bans, logit_bias or penalties (PEN 1 or 2, ``triton_backend.fused_processing``) every
+read of a row goes through ``penalties.process`` (:func:`_load_values`), so the cut is that of
+the processed row z, as docs/semantics.md orders them (bans -> bias -> penalties ->
+temperature -> min_p -> top_k -> top_p). Its keys are then float32 keys (SHIFT 0: a biased or
+penalised value need not be a bf16 / fp16 value), so its overflowing rows take the serial
+search, as float32 rows do.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _load_values(src, V, offs, lo, PEN: tl.constexpr):
     base, req, j, pen = src
     y = tl.load(base + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if PEN:
-        y, _st = process(y, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, pen), pen,
+        y, _st = process(y, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, j, pen), pen,
                          PEN == 2)
     return y
 
@@ -306,11 +306,12 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     tl.store(count_ptr + r, 0)
 
 
-@triton.jit(do_not_specialize=["NT", "TPS"])
+@triton.jit(do_not_specialize=["NT", "TPS", "BW", "KP", "AV"])
 def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, bnd_ptr,
                   mt_ptr, cand_ptr, count_ptr, tail_ptr, row_req_ptr, row_j_ptr, draft_ids_ptr,
                   draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
-                  bstart_ptr, bids_ptr, bval_ptr, CAP: tl.constexpr, SHIFT: tl.constexpr,
+                  bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                  CAP: tl.constexpr, SHIFT: tl.constexpr,
                   PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles), with the row's bounds from ``bounds_kernel``: append the
     candidates (key >= L) to the row's buffer (``count`` [T] must be zero before) and write
@@ -333,7 +334,8 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
         lowest = _key(tl.full((), -float("inf"), tl.float32), SHIFT) + 1
         src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
                        (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
-                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
+                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+                        aslot_ptr, amask_ptr, AV))
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             tk = _key(tl.load(tiletop_ptr + o_t), SHIFT)
@@ -566,13 +568,14 @@ def _ties_kept(mass_gt, e, goal, n_tie):
     return tl.minimum(tl.maximum(n, 1), n_tie)
 
 
-@triton.jit(do_not_specialize=["S", "NT", "SG"])
+@triton.jit(do_not_specialize=["S", "NT", "SG", "BW", "KP", "AV"])
 def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr,
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                   NT, SG, cand_ptr, count_ptr, tail_ptr, cut_v_ptr, cut_i_ptr, serial_ptr,
                   hist_ptr, done_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
-                  bstart_ptr, bids_ptr, bval_ptr, CAP: tl.constexpr, NT_PAD: tl.constexpr,
+                  bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                  CAP: tl.constexpr, NT_PAD: tl.constexpr,
                   SHIFT: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr,
                   BLOCK: tl.constexpr):
     """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
@@ -640,7 +643,9 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
             if serial:
                 src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
                                (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
-                                bstart_ptr, bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
+                                bstart_ptr, bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr,
+                                ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV))
                 found = False
                 # (float32 values, and processed rows, are nearly all distinct: a key per token)
                 if SHIFT > 0 and PEN == 0:
@@ -662,11 +667,12 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     tl.store(done_ptr + r, done)
 
 
-@triton.jit(do_not_specialize=["NT", "TPS"])
+@triton.jit(do_not_specialize=["NT", "TPS", "BW", "KP", "AV"])
 def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, TPS, temp_ptr,
                    row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, row_j_ptr, draft_ids_ptr,
                    draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
-                   bstart_ptr, bids_ptr, bval_ptr, PEN: tl.constexpr, BLOCK: tl.constexpr):
+                   bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                   PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf) that ``select_kernel``
     did not rewrite (``done`` 0: min_p alone, or candidates that overflowed): each tile's sum
     becomes the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's
@@ -681,7 +687,8 @@ def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, 
         scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
         src = _row_src(x_ptr, stride, r, row_req_ptr, row_j_ptr,
                        (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
-                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr))
+                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+                        aslot_ptr, amask_ptr, AV))
         for tile in range(s * TPS, tl.minimum(s * TPS + TPS, NT)):
             o_t = r.to(tl.int64) * NT + tile
             acc = 0.0

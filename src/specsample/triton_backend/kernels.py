@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import rng
 from .logprobs import rank_tiles
-from .penalties import process, process_at, setup
+from .penalties import ban, ban_setup, process, process_at, setup
 
 STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
 STREAM_ACCEPT = tl.constexpr(rng.STREAM_ACCEPT)
@@ -47,23 +47,27 @@ NT_CHUNK = tl.constexpr(128)
 # NaN or +inf (logits), or NaN / inf / negative (draft probs)
 FLAG_BAD = tl.constexpr(1)
 FLAG_FINITE = tl.constexpr(2)  # at least one finite value
-# Rows processed with logit_bias / penalties inside the kernels (``penalties``): FLAG_BAD and
-# FLAG_FINITE then describe the processed values (the finish reads the raw row again only
-# when they are bad: ``_raw_row_flags``).
+# Rows processed with bans / logit_bias / penalties inside the kernels (``penalties``):
+# FLAG_BAD and FLAG_FINITE then describe the processed values (the finish reads the raw row
+# again only when they are bad: ``_raw_row_flags``, which sets FLAG_BANS_EMPTY for a raw row
+# with a finite value whose bans leave none).
 FLAG_PROCESSED = tl.constexpr(4)
+FLAG_BANS_EMPTY = tl.constexpr(8)
 
 ERR_LOGITS_NAN = tl.constexpr(1)
 ERR_LOGITS_NO_FINITE = tl.constexpr(2)
 ERR_DRAFT_ID = tl.constexpr(4)
 ERR_DRAFT_ROW = tl.constexpr(8)
 ERR_PROCESSED_OVERFLOW = tl.constexpr(16)
+ERR_BANS = tl.constexpr(32)
 
 # Integer arguments that vary per call and say nothing about alignment are not specialised
 # (no recompilation when they change). Row strides and vocabulary sizes stay specialised: their
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
 _NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "R", "K", "DS", "DCPS", "SB",
-                                   "filtered", "lp0", "by_draft_row", "draft_kind"])
+                                   "filtered", "lp0", "by_draft_row", "draft_kind", "BW", "KP",
+                                   "AV"])
 J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
 
@@ -175,7 +179,8 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  tilesum_ptr, tiletop_ptr, S, CPS, NT, R, d_ptr, dstride, DV, draft_req_ptr,
                  draft_j_ptr, req_temp_ptr, dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, DCPS,
                  rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-                 bval_ptr, WRITE_TOP: tl.constexpr, DRAFT: tl.constexpr, PEN: tl.constexpr,
+                 bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV, WRITE_TOP: tl.constexpr,
+                 DRAFT: tl.constexpr, PEN: tl.constexpr,
                  TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
     probabilities) and flags; for the target rows also, per tile, a reference ``ref`` (the
@@ -203,7 +208,8 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     if DRAFT != 0:
         if r < R:
             dr = r
@@ -262,7 +268,7 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
     if live:
         base = x_ptr + r.to(tl.int64) * stride
         if PEN:
-            st = setup(s * CPS * CHUNK, req, pen)
+            st = setup(s * CPS * CHUNK, req, j, pen)
         for c in range(s * CPS, s * CPS + CPS):  # chunks past the row end are fully masked
             offs = c * CHUNK + offs0
             mask = offs < V
@@ -414,7 +420,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if PEN:
         x, _ = process(x, offs, bt * BLOCK, bt * BLOCK + BLOCK, req, j,
-                       setup(bt * BLOCK, req, pen), pen, PEN == 2)
+                       setup(bt * BLOCK, req, j, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     sb = _best_sub(tl.where(fin, (x - m) / t, -float("inf")), bt, seed_lo, seed_hi, pos,
                    STREAM_SAMPLE_SUB, BLOCK)
@@ -423,7 +429,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     x = tl.load(row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if PEN:
         x, _ = process(x, offs, sb * SUBTILE, sb * SUBTILE + SUBTILE, req, j,
-                       setup(sb * SUBTILE, req, pen), pen, PEN == 2)
+                       setup(sb * SUBTILE, req, j, pen), pen, PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     key = tl.where(fin, (x - m) / t, -float("inf"))
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
@@ -462,7 +468,7 @@ def _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN: tl.con
                     other=-float("inf")).to(tl.float32)
         if PEN:
             x, _ = process(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, req, j,
-                           setup(tile * BLOCK, req, pen), pen, PEN == 2)
+                           setup(tile * BLOCK, req, j, pen), pen, PEN == 2)
         best = tl.minimum(best, tl.min(tl.where(x == m, offs, 2147483647), axis=0))
     return tl.where(best < V, best, 0)
 
@@ -475,7 +481,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr,
                   dpart_m_ptr, dpart_s_ptr, dpart_f_ptr, DS, dstats_ptr, draft_kind,
                   rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
-                  bids_ptr, bval_ptr, FILTERED: tl.constexpr, RANK: tl.constexpr,
+                  bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                  FILTERED: tl.constexpr, RANK: tl.constexpr,
                   NT_SORT: tl.constexpr, NPAD: tl.constexpr, PEN: tl.constexpr,
                   S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
@@ -494,7 +501,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     PEN: as :func:`stats_kernel`'s (the draw reads the processed values)."""
     r = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     live = j <= _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
@@ -522,8 +530,9 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                       out_y_ptr, out_stats_ptr, done_ptr, row_start_ptr, out_tok_ptr,
                       out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                       lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, rep_ptr, freq_ptr, pres_ptr,
-                      counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
-                      PEN: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
+                      counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP,
+                      aslot_ptr, amask_ptr,
+                      AV, PEN: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
                       BLOCK: tl.constexpr):
     """:func:`stats_kernel` (logits, with tiles), :func:`sample_kernel` (unfiltered, no tile
     ranking) and :func:`finish_kernel` (no draft distributions) in one launch: the last of a
@@ -544,7 +553,8 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
     k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
@@ -659,7 +669,7 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
     x = tl.load(x_ptr + xr.to(tl.int64) * stride + offs, mask=offs < V,
                 other=-float("inf")).to(tl.float32)
     if PEN:
-        x, _st = process(x, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, pen), pen,
+        x, _st = process(x, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, j, pen), pen,
                          PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
     p = tl.where(fin, tl.exp((x - m) / t - logz), 0.0)
@@ -687,7 +697,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr, K,
                   cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered, lp_proc_ptr,
                   lp_v_ptr, lp_i_ptr, lp0, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr,
-                  CV, bstart_ptr, bids_ptr, bval_ptr, HAS_DRAFT: tl.constexpr,
+                  CV, bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                  HAS_DRAFT: tl.constexpr,
                   DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
                   RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
@@ -708,7 +719,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     batch's logit_bias and penalties (``penalties.process_at``), as the statistics were."""
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
                     stats_ptr, d_ptr, dstride, DV, dstats_ptr,
@@ -742,6 +754,7 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
 
     err = k.to(tl.int32) * 0
     proc_bad = err
+    bans_bad = err
     n_acc = k * 0  # accepted drafts
     matching = err + 1  # still accepting (token level / one-hot)
     rho = 1.0  # block: rho_j before draft j
@@ -771,12 +784,14 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
         if tl.max(suspect.to(tl.int32), axis=0) != 0:
             for q in range(0, J_BLOCK):
                 if _lane(suspect.to(tl.int32), q) != 0:
-                    raw = tl.where(lanes == q, _raw_row_flags(x_ptr, stride, V, start + c + q),
-                                   raw)
+                    raw = tl.where(lanes == q, _raw_row_flags(x_ptr, stride, V, start + c + q,
+                                                              i, c + q, pen), raw)
         raw_bad = (raw & FLAG_BAD) != 0
         err |= _any(row & raw_bad, ERR_LOGITS_NAN)
         err |= _any(row & ~raw_bad & ((raw & FLAG_FINITE) == 0), ERR_LOGITS_NO_FINITE)
-        proc_bad |= _any(suspect, ERR_PROCESSED_OVERFLOW)
+        emptied = (raw & FLAG_BANS_EMPTY) != 0
+        bans_bad |= _any(suspect & emptied, ERR_BANS)
+        proc_bad |= _any(suspect & ~emptied, ERR_PROCESSED_OVERFLOW)
         y = tl.load(y_ptr + r, mask=row, other=0)
         d = tl.load(draft_ids_ptr + dstart + j, mask=is_draft, other=0)
         bad_id = is_draft & ((d < 0) | (d >= V))
@@ -846,7 +861,9 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
             emit = tl.where(stops, _lane(y, first), emit)
             n_acc += tl.where(matching != 0, first, 0)
             matching = tl.where(stops, 0, matching)
-    # (as the PyTorch backend: only a request whose raw logits and drafts are valid)
+    # (as the PyTorch backend: bans only for a request whose raw logits and drafts are
+    # valid, then bias / penalties only for one whose bans leave a token)
+    err |= tl.where(err == 0, bans_bad, 0)
     err |= tl.where(err == 0, proc_bad, 0)
     if RHO_ONLY:
         # Every draft row of the request gets its final rho_row: -1 (block_mass_kernel skips
@@ -865,18 +882,24 @@ def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, se
 
 
 @triton.jit
-def _raw_row_flags(x_ptr, stride, V, r):
-    """FLAG_BAD (a NaN or +inf) | FLAG_FINITE (a finite value) of raw row ``r``, read whole
-    (an invalid request's row only)."""
+def _raw_row_flags(x_ptr, stride, V, r, req, j, pen):
+    """FLAG_BAD (a NaN or +inf) | FLAG_FINITE (a finite value) of raw row ``r``, row ``j`` of
+    request ``req``, read whole (an invalid request's row only), and FLAG_BANS_EMPTY when it
+    has a finite value but its bans (``penalties.ban``; none with placeholder ``pen``
+    arguments) leave none."""
     bad = 0
     fin = 0
+    kept = 0
+    bans = ban_setup(0, req, j, pen)
     for c in range(0, V, 1024):
         offs = c + tl.arange(0, 1024)
         x = tl.load(x_ptr + r.to(tl.int64) * stride + offs, mask=offs < V,
                     other=-float("inf")).to(tl.float32)
         bad |= _any((x != x) | (x == float("inf")), FLAG_BAD)
         fin |= _any((x > -float("inf")) & (x < float("inf")), FLAG_FINITE)
-    return bad | fin
+        x, bans = ban(x, offs, c + 1024, req, j, bans, pen)
+        kept |= _any((x > -float("inf")) & (x < float("inf")), 1)
+    return bad | fin | tl.where((fin != 0) & (kept == 0), FLAG_BANS_EMPTY, 0)
 
 
 @triton.jit
@@ -980,7 +1003,8 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
                          draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, res_row_ptr,
                          mass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, draft_ids_ptr, rep_ptr,
                          freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-                         bval_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                         bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                         DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                          PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (request, split) of a request whose draft was rejected: the mass of the residual
     w = max(p - q, 0) in each tile of the split's CPS chunks (the rejected target / draft row
@@ -991,7 +1015,8 @@ def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, ro
     i = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
@@ -1010,7 +1035,8 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
                       DV, dstats_ptr, rho_row_ptr, bmass_ptr,
                       tmass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, draft_ids_ptr, rep_ptr,
                       freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-                      bval_ptr, DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                      bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                      DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
                       PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Per (draft row, split of CPS chunks): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
@@ -1024,7 +1050,8 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     dr = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     i = tl.load(draft_req_ptr + dr)
     j = tl.load(draft_j_ptr + dr)
     rho = tl.load(rho_row_ptr + dr, mask=j < tl.load(k_given_ptr + i), other=-1.0)
@@ -1048,7 +1075,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
                          filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr, rep_ptr,
                          freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-                         bval_ptr, DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
+                         bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                         DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
                          BLOCK: tl.constexpr):
     """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
     residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
@@ -1061,7 +1089,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     :func:`residual_mass_kernel`'s."""
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr)
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         start = tl.load(row_start_ptr + i)
