@@ -167,11 +167,13 @@ def _long_drafts_case(seed: int, ks: list[int], v: int, kind: str, temps: list[f
     return logits.to(DEVICE), d.to(DEVICE), ks, batch, pos, extra
 
 
-@pytest.mark.parametrize("kind", ["onehot", "draft_logits", "draft_probs"])
-@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("kind,method", [("onehot", "token"), ("draft_logits", "token"),
+                                         ("draft_probs", "token"), ("draft_logits", "block"),
+                                         ("draft_probs", "block")])
 def test_more_drafts_than_one_finish_step(kind, method):
     """k + 1 > 8: the finish walk's later steps, the running state (acceptance, rho) carried
-    between them, the bonus row alone in a step; greedy and sampled requests, a placeholder."""
+    between them, the bonus row alone in a step; greedy and sampled requests, a placeholder.
+    (One-hot drafts verify the same way with either method.)"""
     ks = [9, 12, 8, 7, 16, 10, 0, 17]
     case = _long_drafts_case(3, ks, 48, kind, [1.0, 0.0, 1.0, 0.7], placeholders=(32,))
     out, _ = _compare(*case, method)
@@ -243,7 +245,7 @@ def test_block_corrections_at_later_rows_over_tiles(kind, monkeypatch):
     monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
     n, k, v = 24, 4, 2 * 2048 + 37
     late = 0
-    for seed in range(2):
+    for seed in range(1):  # (one batch gives 8 late corrections with either kind)
         gen = torch.Generator().manual_seed(seed)
         logits = torch.randn(n * (k + 1), v, generator=gen) * 1.5
         logits[:, 2048:4096] -= 0.3
@@ -563,7 +565,7 @@ def test_one_launch_with_device_layouts(monkeypatch, counts):
     assert not workspace.counters("draw", (logits.shape[0] + 5,), logits.device).any()
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 4), vocab=st.integers(2, 700),
        dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["onehot", "draft_logits",

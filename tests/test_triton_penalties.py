@@ -496,6 +496,48 @@ def test_bans_sample_matches_torch_backend():
     assert not torch.equal(plain.token_ids.cpu(), out.token_ids.cpu())
 
 
+def test_ban_table_lists_the_ban_pairs_sorted():
+    # The kernels' ban table holds, for every live row, exactly the tokens that the PyTorch
+    # processing's (row, token) pairs ban there, sorted, then NO_ENTRY: more entries than one
+    # step of the kernel (16 columns), words of 1-4 tokens matching the outputs and the drafts,
+    # min_tokens running out within a request's rows, placeholders, requests without bans.
+    from specsample import processing
+    from specsample.triton_backend import penalties
+
+    gen = torch.Generator().manual_seed(7)
+    vocab, ks = 50, [6, 0, 3, 5, 2]
+    outputs = [[int(t) for t in torch.randint(0, 6, (12,), generator=gen)] for _ in ks]
+    d = torch.randint(0, 6, (sum(ks),), generator=gen)
+    d[11] = -1  # (request 3's third draft: a placeholder; its rows 3.. are dead)
+    params = []
+    for i in range(len(ks)):
+        words = [[int(t) for t in torch.randint(0, 6, (1 + w % 4,), generator=gen)]
+                 for w in range(22)]
+        params.append(SamplingParams(temperature=1.0, seed=i) if i == 1 else SamplingParams(
+            temperature=1.0, seed=i, bad_words_token_ids=words, min_tokens=14 + i % 2,
+            stop_token_ids=[40 + i, 45]))
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      output_token_ids=outputs)
+    logits = torch.zeros(len(ks) + sum(ks), vocab, device=DEVICE)
+    plan = build_plan(logits, batch, draft_token_ids=d.to(DEVICE), num_draft_tokens=ks,
+                      draft_logits=None, draft_probs=None, positions=torch.arange(len(ks)),
+                      method="token")
+    table = triton_backend._ban_table(plan, plan.draft_token_ids).cpu()
+    assert table.shape == (len(ks) * 7, batch.ban_width) and batch.ban_width > 16
+    rows, toks = processing.ban_pairs(plan)
+    want = {}
+    for r, t in zip(rows.tolist(), toks.tolist()):
+        want.setdefault(r, []).append(t)
+    starts, live = plan.row_start.tolist(), plan.k_eff.tolist()
+    for i in range(len(ks)):
+        for j in range(live[i] + 1):  # (dead rows: anything, nobody reads them)
+            got = table[i * 7 + j]
+            assert torch.equal(got, got.sort().values)
+            banned = got[got != penalties.NO_ENTRY.value].tolist()
+            assert banned == sorted(want.get(starts[i] + j, [])), (i, j)
+    assert len(want) > 10
+
+
 def test_bans_that_leave_no_token_and_bad_rows_match_torch_backend():
     # Bans that leave no finite logit: ERR_BANS (allowed tokens at -inf; a bad word on the
     # only finite token at row 0 and a stop token at row 1, both banned there); a NaN at a

@@ -209,22 +209,23 @@ def _pen_args(plan: Plan, on: bool, draft_ids: torch.Tensor) -> tuple:
 def _ban_table(plan: Plan, draft_ids: torch.Tensor) -> torch.Tensor:
     """The call's ban table: [N * (K + 1), ban_width] int64, row i * (K + 1) + j the tokens
     that bad words and min_tokens ban at row j of request i, sorted, then
-    ``penalties.NO_ENTRY`` (``penalties.ban_table_kernel``, then a sort of each row). Two
-    launches, no host synchronisation."""
+    ``penalties.NO_ENTRY`` (``penalties.ban_table_kernel``): one launch, no host
+    synchronisation."""
     batch, dev = plan.batch, plan.logits.device
     kp, width = plan.max_k + 1, batch.bad_prefix.shape[1]
     rows = batch.num_requests * kp
     table = torch.empty(rows, batch.ban_width, dtype=torch.int64, device=dev)
+    unsorted = torch.empty_like(table)
 
     def given(t: torch.Tensor) -> torch.Tensor:  # (an empty tensor is never read)
         return t if t.numel() else workspace.zeros((1,), torch.int64, dev)
 
     launch(penalties.ban_table_kernel)[(rows,)](
-        table, kp, batch.ban_width, given(batch.context_tail), width, batch.bad_start,
+        table, unsorted, kp, batch.ban_width, given(batch.context_tail), width, batch.bad_start,
         given(batch.bad_prefix), given(batch.bad_last), batch.stop_start,
         given(batch.stop_ids), batch.num_output, batch.min_tokens, plan.k_given, draft_ids,
         plan.draft_start, num_warps=1)
-    return table.sort(dim=1).values
+    return table
 
 
 def _launch_stats(x: torch.Tensor, plan: Plan, draft_ids, temp, pen_args: tuple, *,

@@ -49,17 +49,19 @@ BAN_COLUMNS = tl.constexpr(16)  # ban-table columns written per step of ban_tabl
 
 
 @triton.jit(do_not_specialize=["KP", "BW", "W"])
-def ban_table_kernel(out_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_prefix_ptr, bad_last_ptr,
-                     stop_start_ptr, stop_ids_ptr, num_output_ptr, min_tokens_ptr, k_given_ptr,
-                     draft_ids_ptr, draft_start_ptr):
+def ban_table_kernel(out_ptr, tmp_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_prefix_ptr,
+                     bad_last_ptr, stop_start_ptr, stop_ids_ptr, num_output_ptr, min_tokens_ptr,
+                     k_given_ptr, draft_ids_ptr, draft_start_ptr):
     """One program per row j of request i (grid N * KP): row i * KP + j of the ban table
-    ``out`` [N * KP, BW] int64, unsorted, NO_ENTRY where nothing is banned: column c < the
-    request's bad words holds word c's last token where the context before row j ends with the
-    word's other tokens, the next columns its stop tokens while ``num_output + j`` is below
-    its min_tokens (docs/semantics.md, "Bans"); rows j > k_i ban nothing (nobody reads them).
-    The context before row j is the request's ``context_tail`` [N, W] (prompt + outputs,
-    right-aligned, -1 padded) then its drafts d_0 .. d_{j-1}; a word's prefix [W] is
-    right-aligned with -1 padding (-1 matches anything)."""
+    ``out`` [N * KP, BW] int64, sorted, NO_ENTRY where nothing is banned. Before the sort
+    (written to ``tmp``, the same shape), column c < the request's bad words holds word c's
+    last token where the context before row j ends with the word's other tokens, the next
+    columns its stop tokens while ``num_output + j`` is below its min_tokens
+    (docs/semantics.md, "Bans"); rows j > k_i ban nothing (nobody reads them). The context
+    before row j is the request's ``context_tail`` [N, W] (prompt + outputs, right-aligned,
+    -1 padded) then its drafts d_0 .. d_{j-1}; a word's prefix [W] is right-aligned with -1
+    padding (-1 matches anything). The sort places each entry at its rank (entries below it,
+    and equal ones in earlier columns): BW^2 / 256 steps of 16 x 16 comparisons."""
     pid = tl.program_id(0)
     i = pid // KP
     j = pid % KP
@@ -70,6 +72,7 @@ def ban_table_kernel(out_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_prefix_ptr
     ns = tl.load(stop_start_ptr + i + 1) - ss
     stops_on = tl.load(num_output_ptr + i) + j < tl.load(min_tokens_ptr + i)
     ds = tl.load(draft_start_ptr + i)
+    base = pid.to(tl.int64) * BW
     for c0 in range(0, BW, BAN_COLUMNS):
         c = c0 + tl.arange(0, BAN_COLUMNS)
         is_word = row & (c < nw)
@@ -86,7 +89,19 @@ def ban_table_kernel(out_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_prefix_ptr
         ban = tl.where(match, tl.load(bad_last_ptr + w, mask=is_word, other=0), NO_ENTRY)
         is_stop = row & stops_on & (c >= nw) & (c < nw + ns)
         ban = tl.where(is_stop, tl.load(stop_ids_ptr + ss + c - nw, mask=is_stop, other=0), ban)
-        tl.store(out_ptr + pid.to(tl.int64) * BW + c, ban, mask=c < BW)
+        tl.store(tmp_ptr + base + c, ban, mask=c < BW)
+    tl.debug_barrier()  # (the row's entries written, by every thread of the program)
+    for c0 in range(0, BW, BAN_COLUMNS):
+        c = c0 + tl.arange(0, BAN_COLUMNS)
+        v = tl.load(tmp_ptr + base + c, mask=c < BW, other=NO_ENTRY)
+        rank = tl.zeros([BAN_COLUMNS], tl.int32)
+        for c1 in range(0, BW, BAN_COLUMNS):
+            e = c1 + tl.arange(0, BAN_COLUMNS)
+            u = tl.load(tmp_ptr + base + e, mask=e < BW, other=NO_ENTRY)
+            before = (u[None, :] < v[:, None]) | ((u[None, :] == v[:, None])
+                                                  & (e[None, :] < c[:, None]))
+            rank += tl.sum((before & (e[None, :] < BW)).to(tl.int32), axis=1)
+        tl.store(out_ptr + base + rank, v, mask=c < BW)
 
 
 @triton.jit
