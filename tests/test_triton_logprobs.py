@@ -333,9 +333,9 @@ def test_processed_ranks_by_the_exact_value():
 
 
 def test_many_requests_with_placeholders():
-    # 40 requests, 0..4 drafts each with a -1 placeholder, block verification with
+    # 20 requests, 0..4 drafts each with a -1 placeholder, block verification with
     # draft_probs; n of 0, 2 and 32 (and None) mixed with both modes.
-    logits, d, ks, batch, pos, extra = _case(21, 40, 300, torch.float32, "draft_probs",
+    logits, d, ks, batch, pos, extra = _case(21, 20, 300, torch.float32, "draft_probs",
                                              placeholders=True)
     batch = _with_logprobs(batch, [(32, "processed"), (None, "raw"), (2, "raw"),
                                    (0, "processed"), (32, "raw")], 300)

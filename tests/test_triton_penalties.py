@@ -538,11 +538,13 @@ def test_ban_table_lists_the_ban_pairs_sorted():
     assert len(want) > 10
 
 
-def test_bans_that_leave_no_token_and_bad_rows_match_torch_backend():
+@pytest.mark.parametrize("filt", [{}, dict(top_k=3)], ids=["fused", "filtered"])
+def test_bans_that_leave_no_token_and_bad_rows_match_torch_backend(filt):
     # Bans that leave no finite logit: ERR_BANS (allowed tokens at -inf; a bad word on the
     # only finite token at row 0 and a stop token at row 1, both banned there); a NaN at a
     # token the allowed list bans stays ERR_LOGITS_NAN; a bias overflow at an allowed token
-    # stays ERR_PROCESSED_OVERFLOW; a row with one allowed finite token is fine.
+    # stays ERR_PROCESSED_OVERFLOW; a row with one allowed finite token is fine. With a
+    # filter the finish launches apart from the draw: the same bits.
     vocab = 300
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, vocab, generator=gen)
@@ -553,20 +555,21 @@ def test_bans_that_leave_no_token_and_bad_rows_match_torch_backend():
     logits[3, 4] = 3e38
     logits[4:, :] = float("-inf")
     logits[4:, 6] = 2.0
-    params = [SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[7]),
+    params = [SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[7], **filt),
               SamplingParams(temperature=0.0, bad_words_token_ids=[[5]]),
-              SamplingParams(temperature=0.8, seed=3, allowed_token_ids=[1, 2]),
+              SamplingParams(temperature=0.8, seed=3, allowed_token_ids=[1, 2], **filt),
               SamplingParams(temperature=1.0, seed=4, allowed_token_ids=[4, 8],
-                             logit_bias={4: 3e38}),
+                             logit_bias={4: 3e38}, **filt),
               SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[6, 8], min_tokens=1,
-                             stop_token_ids=[9])]
+                             stop_token_ids=[9], **filt)]
     batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
     logits = logits.to(DEVICE)
     d = torch.tensor([6], device=DEVICE)  # (request 4's draft, accepted: token 6)
     pos = torch.arange(5, device=DEVICE)
     ks = [0, 0, 0, 0, 1]
     out, counts = _triton_verify(logits, d, ks, batch, pos)
-    assert "triton.verify.fused" in counts and "triton.processing.fused" in counts
+    path = "triton.verify.filtered" if filt else "triton.verify.fused"
+    assert path in counts and "triton.processing.fused" in counts
     ref, ref_err = _torch_verify(logits, d, ks, batch, pos)
     assert ref_err.tolist() == [torch_backend.ERR_BANS, torch_backend.ERR_BANS,
                                 torch_backend.ERR_LOGITS_NAN,

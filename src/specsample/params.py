@@ -803,10 +803,12 @@ class SamplingBatch:
         :meth:`append` counts outputs on the device, so the host does not know when a
         request passes its min_tokens: its stop tokens stay in ``stop_req`` (banned only
         while ``num_output + j < min_tokens``, so results are exact) and ``needs_bans``
-        stays True, which keeps the Triton backend on its general path. Call this where the
+        stays True (the Triton kernels keep looking them up; with logprobs the batch keeps
+        the general path). Call this where the
         caller synchronises anyway (e.g. after reading the tokens); it reads ``num_output``
         (only when some request still has stop-token entries) and rebuilds the entries.
-        Returns whether anything changed.
+        Returns whether anything changed; when it did, the stop-token tensors are new, so
+        CUDA graphs that captured this batch must be captured again.
         """
         if not self.stop_users:
             return False

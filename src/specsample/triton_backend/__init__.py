@@ -215,7 +215,7 @@ def _ban_table(plan: Plan, draft_ids: torch.Tensor) -> torch.Tensor:
     kp, width = plan.max_k + 1, batch.bad_prefix.shape[1]
     rows = batch.num_requests * kp
     table = torch.empty(rows, batch.ban_width, dtype=torch.int64, device=dev)
-    unsorted = torch.empty_like(table)
+    unsorted = torch.empty(rows, batch.ban_width, dtype=torch.int64, device=dev)
 
     def given(t: torch.Tensor) -> torch.Tensor:  # (an empty tensor is never read)
         return t if t.numel() else workspace.zeros((1,), torch.int64, dev)
@@ -639,8 +639,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     # The kernels after the statistics that read target values beside the draft's (the
     # finish's p(d_j), the residual's masses and draw) process them too: PEN 2 serves
     # logit_bias alone as well (its penalties are skipped at run time), one variant fewer.
+    # The finish gets the batch's arguments whenever the kernels process rows: its re-read
+    # of a suspect raw row applies the bans at run time (ERR_BANS), whatever its PEN.
     dist_pen = 2 if pen and plan.has_draft_dist else 0
-    dist_pen_args = (draft_ids, *(pen_args if dist_pen else _pen_args(plan, False, draft_ids)))
+    dist_pen_args = (draft_ids, *(pen_args if pen else _pen_args(plan, False, draft_ids)))
     dist_options = PEN_OPTIONS if dist_pen else {}
     rho_row = bmass = part_m  # (not read unless block verification has drafts past the first)
     sb = 1

@@ -704,7 +704,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel`` or ``stats_draw_kernel``), draw the correction from the residual where a
     draft distribution was rejected, and write token ids [K+1], num_accepted and the error
-    bitmask.
+    bitmask (with the bans, logit_bias and penalties of processed rows: a suspect row's raw
+    values read again tell a bad raw logit, bans that leave no token and an overflow apart).
 
     Block verification runs this twice: with RHO_ONLY it only writes each draft row's running
     ratio rho_j (j < k) to ``rho_row``, or -1 where Z_j cannot change the accepted length

@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NO_ENTRY = tl.constexpr(2**62)  # the bias id past a request's last entry
+NO_ENTRY = tl.constexpr(2**62)  # the bias id past a request's last entry, the ban table's pad
 
 
 BAN_COLUMNS = tl.constexpr(16)  # ban-table columns written per step of ban_table_kernel
@@ -82,8 +82,8 @@ def ban_table_kernel(out_ptr, tmp_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_p
             q = j + p
             in_tail = q < W
             tok = tl.where(in_tail, tl.load(tail_ptr + i.to(tl.int64) * W + tl.minimum(q, W - 1)),
-                           tl.load(draft_ids_ptr + ds + tl.maximum(q - W, 0), mask=~in_tail,
-                                   other=-1))
+                           tl.load(draft_ids_ptr + ds + tl.maximum(q - W, 0),
+                                   mask=~in_tail & row, other=-1))
             pref = tl.load(bad_prefix_ptr + w * W + p, mask=is_word, other=-1)
             match = match & ((pref == tok) | (pref < 0))
         ban = tl.where(match, tl.load(bad_last_ptr + w, mask=is_word, other=0), NO_ENTRY)
