@@ -90,13 +90,11 @@ def _allowed_rows(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [R], their request's slot in ``batch.allowed_mask`` [R]) of the requests that
     have allowed_token_ids: every row of such a request (dead rows too; nobody reads them).
 
-    Found on the device from ``plan.row_req``, so host and device layouts alike; the row count
-    R is read on the host (one synchronisation, on the general path, which has others).
+    Found on the device from ``plan.row_req`` and ``batch.allowed_slot``, so host and device
+    layouts alike; the row count R is read on the host (one synchronisation, on the general
+    path, which has others).
     """
-    batch, dev = plan.batch, plan.logits.device
-    slot_of = torch.full((batch.num_requests,), -1, dtype=torch.int64)
-    slot_of[list(batch.allowed_users)] = torch.arange(len(batch.allowed_users))
-    slot = slot_of.to(dev)[plan.row_req]
+    slot = plan.batch.allowed_slot.long()[plan.row_req]
     rows = (slot >= 0).nonzero().squeeze(1)
     return rows, slot[rows]
 

@@ -220,6 +220,28 @@ def _penalise(x, c, prompt_ptrs, ok, rep, f, p):
 
 
 @triton.jit
+def _lane_entry(ids_ptr, a, e, tok, live, n):
+    """Per lane of ``tok``: (the index in [a, e) of the first sorted id at ``ids_ptr`` >= tok,
+    whether it equals tok (``live`` lanes only)), by ceil(log2(n + 1)) halvings (``n``, a
+    scalar, at least every lane's e - a)."""
+    steps = 0
+    while n > 0:
+        n = n // 2
+        steps += 1
+    a = (tok * 0).to(tl.int64) + a
+    end = (tok * 0).to(tl.int64) + e
+    b = end
+    for _ in range(0, steps):
+        go = a < b
+        mid = (a + b) // 2
+        below = tl.load(ids_ptr + mid, mask=live & go, other=0) < tok
+        a = tl.where(go & below, mid + 1, a)
+        b = tl.where(go & ~below, mid, b)
+    hit = live & (a < end)
+    return a, hit & (tl.load(ids_ptr + a, mask=hit, other=-1) == tok)
+
+
+@triton.jit
 def process_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
     """:func:`process` at single tokens: ``z`` (float32, the shape of ``x``) of token ``tok`` in
     row ``j`` of request ``req`` per lane (vectors of any ids in [0, V), rows and order; lanes
@@ -230,22 +252,7 @@ def process_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
     (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr,
      draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV) = pen
     if BW > 0:
-        base = ban_ptr + (req.to(tl.int64) * KP + j) * BW
-        steps = 0
-        n = BW
-        while n > 0:
-            n = n // 2
-            steps += 1
-        ba = (tok * 0).to(tl.int64)
-        bb = ba + BW
-        for _ in range(0, steps):
-            go = ba < bb
-            mid = (ba + bb) // 2
-            below = tl.load(base + mid, mask=live & go, other=0) < tok
-            ba = tl.where(go & below, mid + 1, ba)
-            bb = tl.where(go & ~below, mid, bb)
-        hit = live & (ba < BW)
-        hit = hit & (tl.load(base + ba, mask=hit, other=-1) == tok)
+        _, hit = _lane_entry(ban_ptr + (req.to(tl.int64) * KP + j) * BW, 0, BW, tok, live, BW)
         x = tl.where(hit & (x < float("inf")), -float("inf"), x)
     if AV > 0:
         slot = tl.load(aslot_ptr + req + tok * 0, mask=live, other=-1)
@@ -254,21 +261,7 @@ def process_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
         x = tl.where(keep | ~(x < float("inf")), x, -float("inf"))
     a0 = tl.load(bstart_ptr + req)
     e = tl.load(bstart_ptr + req + 1)
-    steps = 0
-    n = e - a0
-    while n > 0:  # (ceil(log2(entries + 1)) halvings find any lane's entry)
-        n = n // 2
-        steps += 1
-    a = (tok * 0).to(tl.int64) + a0
-    b = (tok * 0).to(tl.int64) + e
-    for _ in range(0, steps):
-        go = a < b
-        mid = (a + b) // 2
-        below = tl.load(bids_ptr + mid, mask=go, other=0) < tok
-        a = tl.where(go & below, mid + 1, a)
-        b = tl.where(go & ~below, mid, b)
-    hit = live & (a < e)
-    hit = hit & (tl.load(bids_ptr + a, mask=hit, other=-1) == tok)
+    a, hit = _lane_entry(bids_ptr, a0, e, tok, live, e - a0)
     x = tl.where(hit, x + tl.load(bval_ptr + a, mask=hit, other=0.0), x)
     if PENALTIES:
         rep = tl.load(rep_ptr + req)
