@@ -78,7 +78,8 @@ def test_eos_ids_checked():
 
 
 def test_bans_run_in_the_kernels(backend):
-    # On the Triton backend the kernels apply the bans (with logprobs: the general path).
+    # On the Triton backend the kernels apply the bans (with raw top-n logprobs: the general
+    # path).
     v = 8
     x = torch.zeros(2, v)
     for p in (SamplingParams(allowed_token_ids=[1]), SamplingParams(bad_words_token_ids=[[2]]),

@@ -197,6 +197,10 @@ def _calls():
     yield lambda: _penalised_verify(bf16, filters=dict(top_k=5, top_p=0.9, min_p=0.01))
     yield lambda: _sample(fp16, 300, [(0.7, None, "raw", dict(logit_bias={3: 1.5}, top_p=0.9)),
                                       (1.0, None, "raw", dict(logit_bias={4: 1.0}, min_p=0.1))])
+    # bans alone with processed top-n (ranked by z: the logprob kernels' PEN 1, ZRANK off) and
+    # a raw logprobs = 0 (the raw normaliser)
+    yield lambda: _sample(bf16, 300, [(0.7, 3, "processed", dict(bad_words_token_ids=[[5]])),
+                                      (0.0, 0, "raw", dict(min_tokens=9, stop_token_ids=[4]))])
     for i, (kind, method, processors, dtype, lps) in enumerate([
             ("onehot", "token", False, bf16, None),
             ("onehot", "token", False, fp16, rp),

@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import specsample
 from specsample import SamplingBatch, SamplingParams, paths, reference
@@ -44,6 +46,18 @@ def _both(logits, d, ks, batch, pos, extra=None, method="token"):
     return out, ref, path
 
 
+def _sample_both(logits, batch, pos):
+    """sample() on the Triton and the torch backend: (Triton output, torch output, the Triton
+    call's path counts)."""
+    outs = {}
+    for backend in ("torch", "triton"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECSAMPLE_BACKEND", backend)
+            paths.reset()
+            outs[backend] = specsample.sample(logits, batch, positions=pos, strict=False)
+    return outs["triton"], outs["torch"], paths.counts()
+
+
 def _assert_same(out, ref):
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu()), (
@@ -70,7 +84,7 @@ def test_matches_torch_backend(kind, method, processors, dtype, vocab):
     # raw top-n on the general path rank raw logits whose tile maxima no pass wrote
     assert path == ["triton.logprobs.torch" if processors is True else "triton.logprobs.fused"]
     _assert_same(out, ref)
-    if processors is True:  # the general path without raw top-n stays on the kernels
+    if processors is True:  # without raw top-n: the processing in the kernels
         batch = _with_logprobs(batch0, MIXED_GENERAL, vocab)
         out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
         assert path == ["triton.logprobs.fused"]
@@ -180,16 +194,8 @@ def test_sample_matches_torch_backend(lps, modes, want):
                              logprobs=lps[i % 3], logprobs_mode=modes[i % len(modes)],
                              **([dict(top_p=0.9)] * 2 + [{}])[i % 3]) for i in range(6)]
     batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
-    pos = torch.arange(6, device=DEVICE)
-    outs = {}
-    for backend in ("triton", "torch"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SPECSAMPLE_BACKEND", backend)
-            paths.reset()
-            outs[backend] = specsample.sample(logits, batch, positions=pos, strict=False)
-            if backend == "triton":
-                assert want in paths.counts()
-    out, ref = outs["triton"], outs["torch"]
+    out, ref, counts = _sample_both(logits, batch, torch.arange(6, device=DEVICE))
+    assert want in counts
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     assert torch.equal(out.logprob_token_ids.cpu(), ref.logprob_token_ids.cpu())
     torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs.cpu(), atol=1e-5, rtol=1e-6)
@@ -342,3 +348,176 @@ def test_many_requests_with_placeholders():
     out, ref, path = _both(logits, d, ks, batch, pos, extra, "block")
     assert path == ["triton.logprobs.fused"]
     _assert_same(out, ref)
+
+
+# Bans, logit_bias and penalties with logprobs: the kernels process the rows (no general
+# path), column 0 in both modes and processed top-n (raw top-n ranks raw logits: the general
+# path). Each request sets the processors every other one; PROCESSED_MIX has no raw top-n.
+PROCESSED_MIX = [(None, "raw"), (0, "raw"), (3, "processed"), (20, "processed"),
+                 (0, "processed"), (1, "processed"), (5, "processed")]
+PROCESSOR_SETS = {
+    "bias": dict(logit_bias={3: 2.5, 7: -1.0, 3999: 4.0}),
+    "penalties": dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3),
+    "bans": dict(bad_words_token_ids=[[2, 11], [5]], min_tokens=5, stop_token_ids=[9]),
+    # fewer tokens allowed than top-n asked: -inf entries, lowest ids first
+    "allowed": dict(allowed_token_ids=[4, 40, 400, 3000]),
+    "bans+filters": dict(bad_words_token_ids=[[2, 11], [5]], top_k=6, min_p=0.02),
+    "all+filters": dict(logit_bias={3: 2.5, 1: 3.0}, presence_penalty=0.4,
+                        repetition_penalty=1.2, bad_words_token_ids=[[5]], top_k=9,
+                        top_p=0.8, min_p=0.01),
+}
+
+
+def _processed_case(seed, kind, name, vocab=4000, dtype=torch.bfloat16, lps=PROCESSED_MIX):
+    logits, d, ks, batch0, pos, extra = _case(seed, 7, vocab, dtype, kind)
+    # the tokens the processors touch among the likeliest: in the top-n, often emitted
+    logits[:, [1, 2, 3, 5, 7, 11]] += 4.0
+    params = [SamplingParams(**{**p.__dict__, **(PROCESSOR_SETS[name] if i % 2 else {}),
+                                "logprobs": lps[i % len(lps)][0],
+                                "logprobs_mode": lps[i % len(lps)][1]})
+              for i, p in enumerate(batch0.params)]
+    # outputs that the penalties count and that the bad word (2, 11) follows
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
+                                      prompt_token_ids=[[1, 3, 7]] * 7,
+                                      output_token_ids=[[7, 3, 3, 2]] * 7)
+    return logits, d, ks, batch, pos, extra
+
+
+@pytest.mark.parametrize("name,kind,method", [
+    ("bias", "onehot", "token"), ("penalties", "onehot", "token"), ("bans", "onehot", "token"),
+    ("allowed", "onehot", "token"), ("all+filters", "onehot", "block"),
+    ("all+filters", "draft_logits", "block"), ("penalties", "draft_probs", "token"),
+    ("bans+filters", "draft_logits", "token"),
+])
+def test_processors_with_logprobs_on_the_kernels(name, kind, method):
+    logits, d, ks, batch, pos, extra = _processed_case(21, kind, name)
+    out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+    assert path == ["triton.logprobs.fused"]
+    assert "triton.processing.fused" in paths.counts()
+    _assert_same(out, ref)
+    assert torch.isfinite(out.logprobs[..., 1:]).any()
+    if name == "allowed":  # 4 tokens allowed, 20 asked: the rest -inf from the lowest ids
+        i = 3  # (processed, logprobs 20, allowed_token_ids)
+        got = out.logprob_token_ids[i, 0].tolist()
+        assert sorted(got[1:5]) == [4, 40, 400, 3000] and got[5:8] == [0, 1, 2]
+    # raw top-n with processors: the general path, the same values
+    batch_raw = _processed_case(21, kind, name, lps=[(4, "raw"), (2, "processed")])[3]
+    out, ref, path = _both(logits, d, ks, batch_raw, pos, extra, method)
+    assert path == ["triton.logprobs.torch"]
+    assert "triton.processing.fused" not in paths.counts()
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("name", ["bias", "bans"])
+def test_sample_processors_with_logprobs(name):
+    logits, _, _, batch, pos, _ = _processed_case(22, "onehot", name)
+    out, ref, counts = _sample_both(logits[:7], batch, pos)
+    assert {"triton.logprobs.fused", "triton.processing.fused"} <= set(counts)
+    _assert_same(out, ref)
+
+
+def _z_prime_tie(t: float):
+    """Two float32 logits a < b (b one ulp above a) and a row maximum m whose (x - m) / t
+    round to the same float32, or None."""
+    a = torch.tensor(1.0)
+    b = torch.nextafter(a, torch.tensor(2.0))
+    for m in torch.linspace(1.5, 9.0, 400):
+        za, zb = (a - m) / t, (b - m) / t
+        if za == zb:
+            return float(a), float(b), float(m)
+    return None
+
+
+@pytest.mark.parametrize("zrank", [True, False])
+def test_processed_top_n_ranks_by_z_prime_with_bias(zrank):
+    # With logit_bias (or penalties) processed top-n rank by z' = (z - m) / T: two logits one
+    # ulp apart that T rounds together tie and go by id (docs/semantics.md). Power: ranking by
+    # z (the bans-only rule) puts the larger logit, the higher id, first and fails.
+    t = 3.0
+    a, b, m = _z_prime_tie(t)
+    vocab = 300
+    row = torch.full((vocab,), -5.0)
+    row[10], row[20], row[0] = a, b, m  # id 20 the larger logit, the same z' as id 10
+    logits = row[None, :].to(DEVICE)
+    params = [SamplingParams(temperature=t, seed=1, logprobs=3, logprobs_mode="processed",
+                             logit_bias={250: 0.0, 251: -1.0})]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    with pytest.MonkeyPatch.context() as mp:
+        if not zrank:
+            from specsample.triton_backend import logprobs as lpk
+            mp.setattr(lpk, "ranks_by_z_prime", lambda batch: False)
+        out, ref, path = _both(logits, d, [0], batch, torch.arange(1, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    assert ref.logprob_token_ids[0, 0, 1:4].tolist() == [0, 10, 20]  # (the tie by id)
+    assert (out.logprob_token_ids[0, 0, 1:4].tolist() == [0, 10, 20]) == zrank
+    if zrank:
+        _assert_same(out, ref)
+
+
+@triton.jit
+def _unprocessed_at(x, tok, req, j, live, pen, PENALTIES: tl.constexpr):
+    return x
+
+
+@triton.jit
+def _unprocessed(x, offs, lo, hi, req, j, state, pen, PENALTIES: tl.constexpr):
+    return x, state
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replaces kernel functions (Triton's interpreter)")
+@pytest.mark.parametrize("name", ["penalties", "allowed"])
+def test_processors_with_logprobs_fail_unprocessed(monkeypatch, name):
+    # Power of test_processors_with_logprobs_on_the_kernels: with the logprob kernels reading
+    # the raw values (the sampling still processed), column 0 or the top-n differ.
+    from specsample.triton_backend import logprobs as lpk
+
+    monkeypatch.setattr(lpk, "process_at", _unprocessed_at)
+    monkeypatch.setattr(lpk, "process", _unprocessed)
+    logits, d, ks, batch, pos, extra = _processed_case(21, "onehot", name)
+    out, ref, _ = _both(logits, d, ks, batch, pos, extra, "token")
+    with pytest.raises(AssertionError):
+        _assert_same(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 262144])
+@pytest.mark.parametrize("name,kind,method", [("all+filters", "onehot", "token"),
+                                              ("bans", "draft_logits", "block"),
+                                              ("penalties", "onehot", "block")])
+def test_gpu_processors_with_logprobs(vocab, name, kind, method):
+    # Real vocabularies: the torch backend's logprobs with the processing in the kernels, no
+    # host synchronisation, and a captured call whose replays with new rows equal eager calls.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specsample.bench import capture_graph
+
+    logits, d, ks, batch, pos, extra = _processed_case(31, kind, name, vocab=vocab)
+    out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
+    assert path == ["triton.logprobs.fused"]
+    assert "triton.processing.fused" in paths.counts()
+    _assert_same(out, ref)
+
+    def call(x, q):
+        return specsample.verify(x, d, ks, batch, positions=pos, method=method, strict=False,
+                                 **({kind: q} if extra else {}))
+
+    q0 = next(iter(extra.values()), None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(logits, q0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = {"x": logits.clone(), "q": None if q0 is None else q0.clone()}
+    graph, graph_out = capture_graph(lambda: call(static["x"], static["q"]))
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    for _ in range(2):
+        x = (logits.float() + torch.randn(logits.shape, generator=gen, device="cuda")).to(
+            logits.dtype)
+        static["x"].copy_(x)
+        graph.replay()
+        eager = call(x, q0)
+        torch.cuda.synchronize()
+        for field in ("token_ids", "num_accepted", "logprobs", "logprob_token_ids"):
+            assert torch.equal(getattr(graph_out, field), getattr(eager, field)), field

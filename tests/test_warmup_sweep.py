@@ -60,16 +60,20 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                        logit_bias={4: 1.0}),
                   dict(temperature=0.0, logprobs=2, logprobs_mode="raw",
                        repetition_penalty=1.1)]
-    # (top-n processed logprobs alone on the general path: its rows' statistics with tile
-    # maxima, shared with a draft distribution's rows)
-    general_topn = [dict(temperature=t(), seed=12, logprobs=2, logprobs_mode="processed",
-                         presence_penalty=0.3),
-                    dict(temperature=0.0, logprobs=4, logprobs_mode="processed",
-                         logit_bias={4: 1.0})]
+    # (processed top-n and logprobs = 0 with the processing in the kernels: ranked by z' with
+    # logit_bias / penalties, by z with bans alone)
+    processed_topn = [dict(temperature=t(), seed=12, logprobs=2, logprobs_mode="processed",
+                           presence_penalty=0.3),
+                      dict(temperature=0.0, logprobs=4, logprobs_mode="processed",
+                           logit_bias={4: 1.0}),
+                      dict(temperature=t(), logprobs=0, top_k=30)]
+    bans_lp = [dict(temperature=t(), seed=14, logprobs=3, logprobs_mode="processed",
+                    bad_words_token_ids=[[5, 9], [11]], top_p=0.9),
+               dict(temperature=t(), logprobs=0, allowed_token_ids=list(range(3, vocab, 5)))]
     return {name: [P(**kw) for kw in mix] for name, mix in
             (("plain", plain), ("filters", filters), ("general", general), ("bans", bans),
              ("logprobs", logprobs), ("general_lp", general_lp),
-             ("general_topn", general_topn))}
+             ("processed_topn", processed_topn), ("bans_lp", bans_lp))}
 
 
 def sweep(vocab: int, dev: str = "cuda", batches=BATCHES, on_compile: str = "raise") -> dict:

@@ -101,6 +101,12 @@ OPTION_CASES = {
     "T1.0+bans": (1.0, dict(bad_words_token_ids="random", min_tokens=HISTORY + 8,
                             stop_token_ids="random")),
     "T1.0+allowed1024": (1.0, dict(allowed_token_ids="random")),
+    # penalties and filters with logprobs: an API server's logprobs = 0 (raw, the default)
+    # under Qwen2.5's defaults, and an RL rollout's processed top-5 with penalties
+    "T0.7+k20+p0.8+rep1.05+lp0": (0.7, dict(top_k=20, top_p=0.8, repetition_penalty=1.05,
+                                           logprobs=0)),
+    "T1.0+rep1.1+pres0.5+lp5-processed": (1.0, dict(repetition_penalty=1.1, presence_penalty=0.5,
+                                                    logprobs=5, logprobs_mode="processed")),
 }
 BIAS_TOKENS = 16  # logit_bias entries per request of the bias case (random ids, |bias| <= 2)
 BAD_WORDS = 8  # bad words per request of the ban case (random ids)
@@ -404,12 +410,14 @@ def make_call(case: Case, inp: Inputs, variant: str) -> Callable[[], object]:
 
 def forbidden_paths(backend: str, variant: str) -> tuple[str, ...]:
     """Path patterns forbidden while measuring ``variant`` (only the Triton backend has a
-    fused / general split; the PyTorch backend always runs its one path)."""
+    fused / general split; the PyTorch backend always runs its one path). The general path
+    may compute its logprobs in the kernels (``triton.logprobs.fused``)."""
     if backend != "triton":
         return ()
     if variant == "fused":
         return ("triton.*.general", "torch.*")
-    return ("triton.*.fused", "torch.*")
+    return ("triton.sample.fused", "triton.verify.fused", "triton.sample.filtered",
+            "triton.verify.filtered", "triton.processing.fused", "torch.*")
 
 
 # --------------------------------------------------------------------------- timing

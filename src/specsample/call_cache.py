@@ -27,7 +27,7 @@ A key whose recording fails is refused for good and runs as usual; the refusal i
 ``host.replay_refused.<reason>`` (for example ``op.aten._to_copy.default``: an input converted
 inside the call). Never recorded (:func:`call_key` returns None): CPU tensors (the torch backend and
 Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the general path (PyTorch
-processing: bans, logit_bias or penalties together with logprobs), calls
+processing: bans, logit_bias or penalties together with raw top-n logprobs), calls
 under CUDA-graph capture (a graph replays without host work anyway), host lists for tensors other
 than ``num_draft_tokens``, and calls while Triton launch hooks (a profiler) are installed or inside
 ``triton_backend.general_path()``. Under :func:`specsample.paths.forbid`, a replayed call whose
@@ -195,8 +195,7 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
             not _on_cuda(logits)) or batch.needs_general_path and not (
             batch.processing_in_kernels):
         # (the general path, whose recordings would fail anyway: not worth two of them;
-        # bans, logit_bias and penalties without logprobs are applied in the kernels and may
-        # replay)
+        # bans, logit_bias and penalties otherwise are applied in the kernels and may replay)
         return None
     if type(method) is not str or type(max_num_draft_tokens) not in (int, type(None)):
         return None  # (validated, and refused if wrong, by the usual path)

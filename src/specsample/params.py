@@ -20,6 +20,8 @@ F32_MAX = 3.4028234663852886e38
 #: batch's ``fresh_counter`` (docs/semantics.md): below 2**62 with any row offset j < 2**31.
 FRESH_STRIDE = 2**31
 FRESH_PERIOD = 2**31
+#: The most top-n logprobs per request the Triton kernels compute (more take PyTorch code).
+MAX_FUSED_TOP_N = 32
 
 
 def _as_float(value, name: str) -> float:
@@ -411,19 +413,23 @@ class SamplingBatch:
         return (len(ranked), any(q and not k for k, q in ranked),
                 any(p.min_p > 0 for p in sampled))
 
-    @property
+    @functools.cached_property
     def processing_in_kernels(self) -> bool:
         """True when the batch sets bans, logit_bias or penalties, with or without min_p /
-        top_k / top_p, and no logprobs: the Triton kernels apply them
-        (``triton_backend.fused_processing``), with one-hot drafts or a draft distribution."""
-        return self.needs_general_path and self.max_logprobs < 0
+        top_k / top_p: the Triton kernels apply them (``triton_backend.fused_processing``),
+        with one-hot drafts or a draft distribution, unless a request asks for raw top-n
+        logprobs (ranked by the raw logits: the general path) or for more than
+        MAX_FUSED_TOP_N."""
+        return self.needs_general_path and (self.max_logprobs <= 0 or (
+            self.max_logprobs <= MAX_FUSED_TOP_N and not any(
+                p.logprobs_mode == "raw" and (p.logprobs or 0) > 0 for p in self.params)))
 
     @property
     def needs_general_path(self) -> bool:
         """True when a processor beyond temperature and the filters is active (bans, bias,
         penalties). On the Triton backend they take the counted general path unless the
-        kernels apply them (``triton_backend.fused_processing``: no logprobs). Temperature and
-        the filters (min_p, top_k, top_p) are fused."""
+        kernels apply them (``triton_backend.fused_processing``: unless raw top-n logprobs).
+        Temperature and the filters (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
     @staticmethod
@@ -803,8 +809,8 @@ class SamplingBatch:
         :meth:`append` counts outputs on the device, so the host does not know when a
         request passes its min_tokens: its stop tokens stay in ``stop_req`` (banned only
         while ``num_output + j < min_tokens``, so results are exact) and ``needs_bans``
-        stays True (the Triton kernels keep looking them up; with logprobs the batch keeps
-        the general path). Call this where the
+        stays True (the Triton kernels keep looking them up; with raw top-n logprobs the
+        batch keeps the general path). Call this where the
         caller synchronises anyway (e.g. after reading the tokens); it reads ``num_output``
         (only when some request still has stop-token entries) and rebuilds the entries.
         Returns whether anything changed; when it did, the stop-token tensors are new, so

@@ -12,13 +12,14 @@ Paths (``specsample.paths``):
   the kernels load each row (``penalties``: the row's banned tokens from
   ``penalties.ban_table_kernel``, the request's row of the allowed mask, the bias entries of the
   request, its output counts and prompt flags from the batch's device state, the drafts
-  before the row), when the batch has no logprobs
+  before the row), unless a request asks for raw top-n logprobs
   (:func:`fused_processing`; with a draft distribution the finish and residual kernels
-  process the target values they read too); the path ``triton.processing.fused`` counts
-  those rows. With min_p / top_k / top_p too, the filter kernels read the rows
-  processed the same way (``triton.*.filtered``).
-* ``triton.sample.general`` / ``triton.verify.general``: a request needs bans, logit_bias or
-  penalties beyond what the kernels apply (with logprobs in the batch); the
+  process the target values they read too, and the logprob kernels process what they read);
+  the path ``triton.processing.fused`` counts those rows. With min_p / top_k / top_p too, the
+  filter kernels read the rows processed the same way (``triton.*.filtered``).
+* ``triton.sample.general`` / ``triton.verify.general``: a batch with bans, logit_bias or
+  penalties in which a request asks for raw top-n logprobs (ranked by the raw logits, whose
+  tile maxima the processed statistics pass does not write) or for more than 32; the
   processed float32 logits are materialised by ``specsample.processing`` (PyTorch), then the
   same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
@@ -26,8 +27,9 @@ Paths (``specsample.paths``):
   ``triton.verify_tree.walk``: without logprobs, their walk and outputs in one more launch.
 * ``triton.logprobs.finish``: logprobs = 0 for every request that asks, whose values the
   sampling statistics give (processed mode, or raw mode at temperature 0 / 1 in a batch
-  without top_k / top_p / min_p): the request's finish (``finish_kernel``, or the single
-  launch's) writes them with the tokens, no launch of their own.
+  without top_k / top_p / min_p; no bans, logit_bias or penalties): the request's finish
+  (``finish_kernel``, or the single launch's) writes them with the tokens, no launch of
+  their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
   launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
 * ``triton.logprobs.torch``: more than 32 top-n logprobs, top-n on the general path (but
@@ -148,8 +150,9 @@ def fused_processing(plan: Plan) -> bool:
     """Whether the kernels apply the batch's bans, logit_bias and penalties themselves
     (``penalties``; the filter kernels too, on the processed rows, and with draft_logits /
     draft_probs the kernels that read target rows after the statistics: the finish's p(d_j),
-    the residual's masses and draw) instead of the general path: a batch that sets some of
-    them, without logprobs."""
+    the residual's masses and draw; the logprob kernels) instead of the general path: a
+    batch that sets some of them, unless a request asks for raw top-n logprobs or more than
+    32 (``SamplingBatch.processing_in_kernels``)."""
     return plan.batch.processing_in_kernels and not _GENERAL.get()
 
 
@@ -440,14 +443,15 @@ def separate_launches():
 
 
 def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.Tensor,
-              filtered: bool, rank: bool = False, finish: tuple | None = None,
+              filtered: bool, rank: int = 0, finish: tuple | None = None,
               draft: tuple | None = None, pen: bool = False, pen_args: tuple | None = None):
     """Statistics, filters (when ``filtered``) and the draw of every live row of ``plan``
     (``row_j <= k_eff`` of its request): x [R, V] the rows (model dtype, or the general path's
     float32 processed logits with ``temp`` all ones), temp [N] float32, draft_ids [>= max
     k_given] int64 (``kernels._k_eff`` reads them); with ``filtered`` or ``rank`` the
     statistics pass also writes each tile's maximum (``tiles[2]``), and with ``rank`` the rows
-    of requests that ask for top-n logprobs rank their tiles by it (``logprobs.rank_tiles``).
+    of requests that ask for top-n logprobs rank their tiles by it (``logprobs.rank_tiles``;
+    ``rank`` 2: by z', for processed top-n with logit_bias or penalties).
     With ``finish`` (row_start, then ``finish_kernel``'s outputs from token ids to K, then its
     logprob arguments: the tuple ``run`` builds for a plan without draft distributions or
     top-n logprobs), not ``filtered``, unless :func:`one_launch` says no: one launch
@@ -600,7 +604,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
     # logprobs = 0 for everyone, from the statistics alone: the finish writes them with the
     # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
-    lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general, filtered)
+    lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general or pen, filtered)
     if lp0:
         lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
         lp_i = torch.empty(n, k + 1, 1, dtype=torch.int64, device=dev)
@@ -626,7 +630,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         dstride, dv = draft.stride(0), draft.shape[1]
     (part_m, part_s, part_f), tiles, nt, y, stats, (cut_v, cut_i), ranking, finished = \
         draw_rows(x, plan, temp, draft_ids, filtered,
-                  rank=fused_logprobs and batch.max_logprobs > 0,
+                  rank=0 if not (fused_logprobs and batch.max_logprobs > 0) else (
+                      2 if pen and logprobs_kernels.ranks_by_z_prime(batch) else 1),
                   finish=None if plan.has_draft_dist or batch.max_logprobs > 0 else (
                       plan.row_start, token_ids, num_accepted, err, invalid, res_row,
                       k, *lp_args), draft=draft_rows, pen=pen, pen_args=pen_args)
@@ -723,7 +728,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         logprobs, logprob_ids = logprobs_kernels.emitted_logprobs(
             plan, raw, x, temp, stats, filtered, general, cut_v, cut_i, token_ids,
             num_accepted, invalid, ranking, _splits(n, plan.vocab_size, 1, dev)[0], warps,
-            4 * _num_programs_target(dev))
+            4 * _num_programs_target(dev),
+            pen=(_pen_kind(plan, pen), pen_args[:9] + (draft_ids, plan.draft_start)
+                 + pen_args[9:]) if pen else None)
     elif batch.max_logprobs >= 0:
         paths.record("triton.logprobs.torch", rows)
         j = torch.arange(k + 1, device=dev)
@@ -869,6 +876,16 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     # and with min_p / top_k / top_p: the filter kernels on the processed rows
     penalised_filtered = [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
                           for p, q in penalised]
+    # logprobs with the processing in the kernels: processed top-n ranked by z' (logit_bias,
+    # penalties) or by z (bans alone), and logprobs = 0 in raw mode (the raw normaliser)
+    bans_only = [SamplingParams(temperature=0.0, bad_words_token_ids=[[1]]),
+                 SamplingParams(temperature=0.8, seed=1, min_tokens=2, stop_token_ids=[4])]
+    processed_lp = [[dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
+                     for p, mode in zip(plist, modes)]
+                    for plist in (*penalised, bans_only, *penalised_filtered,
+                                  [bans_only[0], dataclasses.replace(bans_only[1], top_k=5)])
+                    for n_top, modes in ((2, ("processed", "processed")),
+                                         (0, ("raw", "processed")))]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
 
@@ -955,6 +972,11 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 # target values they read (PEN 2 for bias and penalties alike)
                 for method in methods:
                     calls += with_drafts(rows, drafts, batch, method)
+            for plist in processed_lp:
+                batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)
+                sample(target, batch, positions=pos, strict=False)
+                verify(rows, drafts, k, batch, positions=pos, strict=False)
+                calls += 2
             for plist in (params, filtered, general):
                 with general_path() if plist is general else contextlib.nullcontext():
                     batch = SamplingBatch.from_params(plist, vocab_size=vocab_size, device=device)

@@ -491,7 +491,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     FILTERED: the filter kernels (``filters``) ran first; a filtered row's tile sums are the
     survivors', its log-normaliser is taken from them, and its draw is restricted to the cut.
     RANK: rows of requests that ask for top-n logprobs also rank their tiles
-    (``logprobs.rank_tiles``).
+    (``logprobs.rank_tiles``; RANK 2: by z', with logit_bias or penalties).
     ``draft_kind`` 1 (draft logits) or 2 (draft probabilities): the statistics pass of the
     draft rows ran first; the program of target row j of a request also combines the splits of
     its draft row j (j < k_given) into dstats [drafts, 3] = (max, log-normaliser, flags) at the
@@ -620,7 +620,8 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
     if RANK:
         n_top = tl.load(lp_n_ptr + req)
         if live & (n_top > 0):
-            rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT, NPAD)
+            rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, NT_SORT, NPAD,
+                       RANK == 2)
     o = r.to(tl.int64) * 3
     tl.store(out_stats_ptr + o, m)
     tl.store(out_stats_ptr + o + 1, logz)

@@ -30,6 +30,16 @@ go to the lower id. In processed mode the filters' survivors are a prefix of tha
 the top-n are the ranked entries while they survive, then the dropped tokens at -inf, lowest
 ids first (as the PyTorch backend ranks them). Raw top-n on the general path (whose tile
 maxima are of the processed rows) take the PyTorch path.
+
+When the kernels apply bans, logit_bias and penalties (``penalties``; PEN), the tile maxima
+are of the processed rows z, and every value these kernels read is processed again where it
+is read (a tile by ``penalties.process``, a token by ``penalties.process_at``: the same
+float32 bits). With logit_bias or penalties processed top-n rank by z' = (z - m) / T as the
+PyTorch backend does (ZRANK; ``rank_tiles`` ranks the tiles by their z' maxima): the
+filters' dropped tokens are set to -inf before that division, only finite entries are
+candidates, and every -inf entry comes from the lowest ids. (One case can differ from the
+PyTorch backend: a dropped token whose distinct z rounds to the same z' as a survivor,
+with a lower id, at the top-n boundary; the tiles are ranked by their unfiltered maxima.)
 """
 
 from __future__ import annotations
@@ -41,11 +51,13 @@ import triton
 import triton.language as tl
 
 from .. import rng, workspace
+from ..params import MAX_FUSED_TOP_N
 from ..plan import Plan
 from .launch import launch
+from .penalties import process, process_at, setup
 
 BLOCK_TILE = rng.TILE
-NPAD = 32  # most top-n logprobs per request on this path (more take the PyTorch path)
+NPAD = MAX_FUSED_TOP_N  # most top-n logprobs per request on this path (more: PyTorch code)
 CAND = NPAD * (NPAD + 1) // 2  # candidates per position: n(n+1)/2 at most
 S_MAX = 32  # most vocabulary splits per row for the raw normaliser
 BIG = tl.constexpr(2147483647)
@@ -72,13 +84,18 @@ def _unkey(k):
 
 
 @triton.jit
-def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT: tl.constexpr,
-               NPAD: tl.constexpr):
+def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, NT_SORT: tl.constexpr,
+               NPAD: tl.constexpr, ZRANK: tl.constexpr):
     """Row ``r``'s NPAD best tiles by (maximum desc, tile asc) as keys (``_key`` of (maximum,
-    tile), EMPTY past the row's tiles) into rank[r], and its candidate count reset to 0."""
+    tile), EMPTY past the row's tiles) into rank[r], and its candidate count reset to 0.
+    ZRANK: the maxima as the row's z' = (z - m) / t (``m`` its maximum, ``t`` its
+    temperature, 1 for greedy rows; IEEE division, as PyTorch's), the values processed top-n
+    rank by when the batch sets logit_bias or penalties."""
     t_idx = tl.arange(0, NT_SORT)
     tops = tl.load(tiletop_ptr + r.to(tl.int64) * NT + t_idx, mask=t_idx < NT,
                    other=-float("inf"))
+    if ZRANK:
+        tops = tl.div_rn(tops - m, t)
     srt = tl.sort(tl.where(t_idx < NT, _key(tops, t_idx), EMPTY), descending=True)
     tl.store(rank_ptr + r.to(tl.int64) * NPAD + t_idx, srt, mask=t_idx < NPAD)
     tl.store(count_ptr + r, 0)
@@ -88,8 +105,9 @@ def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, NT_SORT: tl.constexpr,
 def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr,
               temp_ptr, cut_v_ptr, cut_i_ptr, filtered, GENERAL: tl.constexpr):
     """Decode grid position ``p``: (request, row, emitted, raw mode, n wanted, whether the
-    sampling statistics are the raw row's (temperature 0 / 1, no filter cut, not the general
-    path), the divisor of processed logprobs)."""
+    sampling statistics are the raw row's (temperature 0 / 1, no filter cut, rows not
+    processed: GENERAL is the general path's rows or the kernels' processing), the divisor of
+    processed logprobs)."""
     i = p // K1
     j = p % K1
     emitted = (j <= tl.load(num_acc_ptr + i)) & (tl.load(invalid_ptr + i) == 0)
@@ -108,23 +126,52 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
     return i, j, r, emitted, raw, n_want, keep_all, t_eff
 
 
-@triton.jit(do_not_specialize=["K1", "S", "CPS", "G", "filtered"])
+@triton.jit
+def _survives(x, ids, cut_v, cut_i):
+    """Whether values ``x`` at ``ids`` are in the filters' kept set (a prefix of the rank
+    order, ending at (cut_v, cut_i))."""
+    return (x > cut_v) | ((x == cut_v) & (ids <= cut_i))
+
+
+@triton.jit
+def _ranked_values(x, offs, lo, hi, i, j, m, t, cut_v, cut_i, pen, PEN: tl.constexpr,
+                   ZRANK: tl.constexpr):
+    """The values processed top-n rank row ``j`` of request ``i`` by, at ids ``offs`` (lo <=
+    offs < hi) from its raw float32 values ``x`` (NaN lanes, the caller's padding, stay NaN):
+    with PEN the processed z (``penalties.process``), with ZRANK then z' = (z - m) / t with
+    the filters' dropped tokens at -inf."""
+    if PEN:
+        x, _ = process(x, offs, lo, hi, i, j, setup(lo, i, j, pen), pen, PEN == 2)
+        if ZRANK:
+            x = tl.where(_survives(x, offs, cut_v, cut_i) | (x != x), x, -float("inf"))
+            x = tl.div_rn(x - m, t)
+    return x
+
+
+@triton.jit(do_not_specialize=["K1", "S", "CPS", "G", "filtered", "BW", "KP", "AV"])
 def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                         invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
-                        cut_v_ptr, cut_i_ptr, rank_ptr, count_ptr, pm_ptr, ps_ptr, cand_ptr,
-                        S, CPS, G, filtered, GENERAL: tl.constexpr, NPAD: tl.constexpr,
-                        CAND: tl.constexpr, BLOCK: tl.constexpr):
+                        cut_v_ptr, cut_i_ptr, stats_ptr, rank_ptr, count_ptr, pm_ptr, ps_ptr,
+                        cand_ptr, S, CPS, G, filtered,
+                        rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                        bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+                        aslot_ptr, amask_ptr, AV,
+                        GENERAL: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr,
+                        NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
     """Program (position, q) of an emitted position: for each rank rq = q, q + G, ... below
     n, the best n - rq entries >= L of the tile of rank rq (``rank_tiles``) of the row the
-    position ranks (the rows sampled from, unmasked: merging applies the filters' cut),
-    appended as keys to the position's candidates (an atomic count per row; n(n+1)/2 at
-    most, so never past CAND); with q < S when the raw normaliser is needed, the raw row's
-    max and sum of exp over split q (CPS tiles).
+    position ranks (the rows sampled from, unmasked: merging applies the filters' cut; with
+    PEN processed as they load, and with ZRANK as z' with the dropped tokens at -inf, finite
+    entries only), appended as keys to the position's candidates (an atomic count per row;
+    n(n+1)/2 at most, so never past CAND); with q < S when the raw normaliser is needed, the
+    raw row's max and sum of exp over split q (CPS tiles).
 
     The extraction starts from the tile's maximum (its rank key holds it): per entry one
     minimum of ids (the lowest id at the value) and one maximum of what is left >= L."""
     p = tl.program_id(0)
     q = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
         cut_v_ptr, cut_i_ptr, filtered, GENERAL)
@@ -149,6 +196,14 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
         k_lo = tl.load(rank_ptr + o_rank + n_want - 1)
         lo, _ = _unkey(k_lo)
         lo = tl.where(k_lo == EMPTY, -float("inf"), lo)
+        m_row = 0.0
+        cut_v = -float("inf")
+        cut_i = 2147483647
+        if ZRANK:
+            m_row = tl.load(stats_ptr + r.to(tl.int64) * 3)
+            if filtered:
+                cut_v = tl.load(cut_v_ptr + r)
+                cut_i = tl.load(cut_i_ptr + r)
         for rq in range(q, n_want, G):  # the ranks this program takes
             k_tile = tl.load(rank_ptr + o_rank + rq)
             if k_tile != EMPTY:
@@ -157,15 +212,23 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
                 # (NaN: past the row, or taken; never >= L nor equal to a value)
                 x = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + offs, mask=offs < V,
                             other=float("nan")).to(tl.float32)
+                x = _ranked_values(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, i, j, m_row,
+                                   t_eff, cut_v, cut_i, pen, PEN, ZRANK)
                 got = tl.full([NPAD], EMPTY, tl.int64)
                 c = 0
                 best = tl.min(tl.where(x == v, offs, BIG), axis=0)
-                while (c < n_want - rq) & (best < BIG) & (v >= lo):
+                more = (best < BIG) & (v >= lo)
+                if ZRANK:  # (the -inf entries come from the lowest ids: _emit_sorted)
+                    more = more & (v > -float("inf"))
+                while (c < n_want - rq) & more:
                     got = tl.where(slots == c, _key(v, best), got)
                     x = tl.where(offs == best, float("nan"), x)
                     c += 1
                     v = tl.max(tl.where(x >= lo, x, -float("inf")), axis=0)
                     best = tl.min(tl.where(x == v, offs, BIG), axis=0)
+                    more = (best < BIG) & (v >= lo)
+                    if ZRANK:
+                        more = more & (v > -float("inf"))
                 if c > 0:
                     at = tl.atomic_add(count_ptr + r, c)
                     tl.store(cand_ptr + p.to(tl.int64) * CAND + at + slots, got, mask=slots < c)
@@ -173,24 +236,37 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
 
 @triton.jit
 def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                 out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD: tl.constexpr):
+                 out_v_ptr, out_i_ptr, o_out, cols, filtered, i, j, t, pen,
+                 NPAD: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr):
     """Columns 1..n of one position from its candidate keys (any order, EMPTY padding): the
     best while they survive the filters' cut (a prefix), then the dropped tokens at -inf,
-    lowest ids first (found among the first 2 * NPAD ids), then -inf / -1."""
+    lowest ids first (found among the first 2 * NPAD ids), then -inf / -1. With ZRANK the
+    keys hold z' (``m`` the row's maximum, used for the lowest ids' z' only), the survivors
+    are the finite ones and every -inf token comes from the lowest ids."""
     srt = tl.sort(keys, descending=True)
     v, ids = _unkey(srt)
     idx = tl.arange(0, keys.shape[0])
-    surv = (srt != EMPTY) & ((v > cut_v) | ((v == cut_v) & (ids <= cut_i)))
+    if ZRANK:
+        surv = (srt != EMPTY) & (v > -float("inf"))
+        vals = v - logz
+    else:
+        surv = (srt != EMPTY) & _survives(v, ids, cut_v, cut_i)
+        vals = (v - m) / div - logz
     kept = tl.sum((surv & (idx < n_want)).to(tl.int32), axis=0)
     live = idx < kept
-    tl.store(out_v_ptr + o_out + 1 + idx, (v - m) / div - logz, mask=live)
+    tl.store(out_v_ptr + o_out + 1 + idx, vals, mask=live)
     tl.store(out_i_ptr + o_out + 1 + idx, ids.to(tl.int64), mask=live)
     filled = kept
-    if filtered:
+    if filtered | ZRANK:
         low = tl.arange(0, 2 * NPAD)
         x_low = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + low, mask=low < V,
                         other=0.0).to(tl.float32)
-        dropped = (low < V) & ~((x_low > cut_v) | ((x_low == cut_v) & (low <= cut_i)))
+        x_low = _ranked_values(x_low, low, 0, 2 * NPAD, i, j, m, t, cut_v, cut_i, pen, PEN,
+                               ZRANK)
+        if ZRANK:
+            dropped = (low < V) & (x_low == -float("inf"))
+        else:
+            dropped = (low < V) & ~_survives(x_low, low, cut_v, cut_i)
         col = kept + tl.cumsum(dropped.to(tl.int32), axis=0)  # 1-based
         put = dropped & (col <= n_want)
         tl.store(out_v_ptr + o_out + col, tl.full([2 * NPAD], -float("inf"), tl.float32),
@@ -203,18 +279,24 @@ def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride
     tl.store(out_i_ptr + o_out + cols, tl.full(cols.shape, -1, tl.int64), mask=rest)
 
 
-@triton.jit(do_not_specialize=["K1", "S", "NOUT", "filtered"])
+@triton.jit(do_not_specialize=["K1", "S", "NOUT", "filtered", "BW", "KP", "AV"])
 def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                          invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
                          cut_v_ptr, cut_i_ptr, stats_ptr, token_ids_ptr, pm_ptr, ps_ptr,
                          cand_ptr, count_ptr, S, out_v_ptr, out_i_ptr, NOUT, filtered,
-                         GENERAL: tl.constexpr, NPAD: tl.constexpr,
-                         CAND: tl.constexpr, CAND_PAD: tl.constexpr, SMALL: tl.constexpr,
-                         S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
-    """Per position: column 0 (the emitted token's logprob), columns 1..n (``_emit_sorted``
-    of its candidates when at most SMALL hold them, as they usually do, else of the best n of
-    its up to CAND_PAD), -inf / -1 elsewhere and at positions not emitted."""
+                         rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                         bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+                         aslot_ptr, amask_ptr, AV,
+                         GENERAL: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr,
+                         NPAD: tl.constexpr, CAND: tl.constexpr, CAND_PAD: tl.constexpr,
+                         SMALL: tl.constexpr, S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
+    """Per position: column 0 (the emitted token's logprob; with PEN its processed value from
+    ``penalties.process_at``), columns 1..n (``_emit_sorted`` of its candidates when at most
+    SMALL hold them, as they usually do, else of the best n of its up to CAND_PAD), -inf / -1
+    elsewhere and at positions not emitted."""
     p = tl.program_id(0)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV)
     tok = tl.load(token_ids_ptr + p)  # (with the position's scalars: one round of loads fewer)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
         p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
@@ -231,6 +313,7 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
         cut_v = tl.full((), -float("inf"), tl.float32)
         cut_i = tl.full((), BIG, tl.int32)
         div = tl.where(raw, 1.0, t_eff)
+        m_row = m
         if raw:
             if ~keep_all:  # the partial kernel's splits: the raw row's own normaliser
                 so = tl.arange(0, S_MAX)
@@ -241,15 +324,23 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                 m_safe = tl.where(m == -float("inf"), 0.0, m)
                 logz = tl.log(tl.sum(tl.where(pm == -float("inf"), 0.0,
                                               ps * tl.exp(pm - m_safe)), axis=0))
-            x_tok = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + tok).to(tl.float32)
+            val = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + tok).to(tl.float32) - m - logz
         else:
             x_tok = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + tok).to(tl.float32)
+            if PEN:  # (two lanes, lane 0 the token's: process_at takes vectors)
+                two = tl.arange(0, 2)
+                x_tok = tl.max(tl.where(two == 0, process_at(
+                    x_tok + tl.zeros([2], tl.float32), tok + two * 0, i, j + two * 0,
+                    two == 0, pen, PEN == 2), -float("inf")), axis=0)
             if filtered:
                 cut_v = tl.load(cut_v_ptr + r)
                 cut_i = tl.load(cut_i_ptr + r)
-                keep = (x_tok > cut_v) | ((x_tok == cut_v) & (tok <= cut_i))
-                x_tok = tl.where(keep, x_tok, -float("inf"))
-        tl.store(out_v_ptr + o_out, (x_tok - m) / div - logz)
+                x_tok = tl.where(_survives(x_tok, tok, cut_v, cut_i), x_tok, -float("inf"))
+            if ZRANK:
+                val = tl.div_rn(x_tok - m, t_eff) - logz
+            else:
+                val = (x_tok - m) / div - logz
+        tl.store(out_v_ptr + o_out, val)
         tl.store(out_i_ptr + o_out, tok)
         if n_want > 0:
             count = tl.load(count_ptr + r)
@@ -265,15 +356,20 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                     best = tl.max(pool, axis=0)  # (keys are distinct: one id each)
                     keys = tl.where(cs == c, best, keys)
                     pool = tl.where(pool == best, EMPTY, pool)
+            if ZRANK:  # (the row's maximum, for the z' of its lowest ids)
+                m = m_row
             _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r,
-                         V, out_v_ptr, out_i_ptr, o_out, cols, filtered, NPAD)
+                         V, out_v_ptr, out_i_ptr, o_out, cols, filtered, i, j, t_eff, pen,
+                         NPAD, PEN, ZRANK)
 
 
 def supported(plan: Plan, general: bool) -> bool:
     """Whether this path serves ``plan``'s logprobs: at most NPAD top-n per request; on the
     general path (whose tile maxima are of the processed rows z') no raw top-n, and processed
     top-n only when logit_bias or penalties make z' the order they rank by (semantics.md;
-    with bans alone they rank by the raw logits)."""
+    with bans alone they rank by the raw logits). With the processing in the kernels
+    (``general`` False; ``SamplingBatch.processing_in_kernels`` excludes raw top-n) every
+    case."""
     batch = plan.batch
     if not 0 <= batch.max_logprobs <= NPAD:
         return False
@@ -281,6 +377,12 @@ def supported(plan: Plan, general: bool) -> bool:
         return True
     if any(p.logprobs_mode == "raw" and (p.logprobs or 0) > 0 for p in batch.params):
         return False
+    return batch.needs_bias or batch.needs_penalties
+
+
+def ranks_by_z_prime(batch) -> bool:
+    """Whether processed top-n rank by z' = (z - m) / T rather than by z (docs/semantics.md,
+    Outputs): when the batch sets logit_bias or penalties, as the PyTorch backend ranks."""
     return batch.needs_bias or batch.needs_penalties
 
 
@@ -304,8 +406,8 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
                      stats: torch.Tensor, filtered: bool, general: bool, cut_v: torch.Tensor,
                      cut_i: torch.Tensor, token_ids: torch.Tensor, num_accepted: torch.Tensor,
                      invalid: torch.Tensor, ranking: tuple[torch.Tensor, torch.Tensor] | None,
-                     splits: int, num_warps: int, programs: int) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
+                     splits: int, num_warps: int, programs: int, pen: tuple | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N, K+1, 1+n] float32 and their ids int64 (semantics.md, Outputs).
 
     ``raw``: [R, V] the rows' raw logits (model dtype, contiguous rows); ``proc``: the rows the
@@ -316,7 +418,10 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     ``draw_rows``;
     ``token_ids`` [N, K+1] int64, ``num_accepted`` [N] int64, ``invalid`` [N] bool: the final
     outputs; ``splits``: the raw normaliser's vocabulary splits per row (at most S_MAX);
-    ``programs``: about how many programs the top-n extraction spreads over. No host
+    ``programs``: about how many programs the top-n extraction spreads over. ``pen``: when the
+    kernels processed the rows (``fused_processing``; ``proc`` is then ``raw``), (their PEN
+    kind, the kernels' ``penalties`` tuple): the processed values are made again where read,
+    and processed top-n rank by z' when the batch sets logit_bias or penalties. No host
     synchronisation.
     """
     batch, dev = plan.batch, raw.device
@@ -337,20 +442,30 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     cand = workspace.scratch("logprobs.cand", (p, CAND if n_max > 0 else 1), torch.int64, dev)
     rank, count = ranking if ranking is not None else (cand, cand.view(torch.int32))
     common = (num_accepted, invalid.view(torch.uint8), plan.row_start, batch.logprobs_n,
-              batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i)
+              batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i, stats)
+    if pen is None:  # (placeholders of the same types, never read)
+        pen_kind, zrank = 0, False
+        f32, i64, u8 = temp, plan.row_start, batch.logprobs_processed.view(torch.uint8)
+        pen_args = (f32, f32, f32, f32, u8, 0, i64, i64, f32, i64, i64, i64, 0, 1,
+                    batch.allowed_slot, u8, 0)
+        options = {}
+    else:
+        (pen_kind, pen_args), zrank = pen, ranks_by_z_prime(batch)
+        options = {"enable_fp_fusion": False}  # (the float32 steps of penalties.process)
+    flags = dict(GENERAL=general or pen is not None, PEN=pen_kind, ZRANK=zrank, **options)
     # the raw normaliser, where the sampling statistics are not the raw row's
-    need_full = _needs_raw_normaliser(plan, general, filtered)
+    need_full = _needs_raw_normaliser(plan, general or pen is not None, filtered)
     # ranks per program: about `programs` programs in all (most positions are not emitted)
     g = min(n_max, max(1, math.ceil(programs / p)))
     q = max(g, s if need_full else 0)
     if q > 0:
         launch(topn_partial_kernel)[(p, q)](
             raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, rank, count, pm, ps,
-            cand, s, cps, max(g, 1), int(filtered), GENERAL=general, NPAD=NPAD, CAND=CAND,
-            BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1)
+            cand, s, cps, max(g, 1), int(filtered), *pen_args, NPAD=NPAD, CAND=CAND,
+            BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1, **flags)
     launch(logprob_merge_kernel)[(p,)](
-        raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, stats, token_ids, pm, ps,
-        cand, count, s, out_v, out_i, n_max + 1, int(filtered), GENERAL=general,
+        raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, token_ids, pm, ps,
+        cand, count, s, out_v, out_i, n_max + 1, int(filtered), *pen_args, **flags,
         NPAD=NPAD, CAND=CAND, CAND_PAD=triton.next_power_of_2(CAND), SMALL=2 * NPAD, S_MAX=S_MAX,
         OUT_PAD=triton.next_power_of_2(NPAD + 1),
         num_warps=1)  # (a sort of 64 keys: one warp, no cross-warp steps; 4 were 0.3-1 us slower)
