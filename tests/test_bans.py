@@ -78,13 +78,13 @@ def test_eos_ids_checked():
 
 
 def test_bans_run_in_the_kernels(backend):
-    # On the Triton backend the kernels apply the bans (with raw top-n logprobs: the general
-    # path).
+    # On the Triton backend the kernels apply the bans (with more than 32 top-n logprobs: the
+    # general path).
     v = 8
     x = torch.zeros(2, v)
     for p in (SamplingParams(allowed_token_ids=[1]), SamplingParams(bad_words_token_ids=[[2]]),
               SamplingParams(min_tokens=1, stop_token_ids=[3]),
-              SamplingParams(min_tokens=1, stop_token_ids=[3], logprobs=1)):
+              SamplingParams(min_tokens=1, stop_token_ids=[3], logprobs=33)):
         batch = SamplingBatch.from_params([p, SamplingParams()], vocab_size=v)
         assert batch.needs_bans and batch.needs_general_path
         paths.reset()

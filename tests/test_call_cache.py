@@ -323,8 +323,8 @@ def test_call_key_tells_calls_apart(cuda_like, monkeypatch):
     assert _verify_key(batch, x, ids, torch.tensor([2, 1])) is None  # (no max_num_draft_tokens)
     device_counts = _verify_key(batch, x, ids, torch.tensor([2, 1]), max_num_draft_tokens=2)
     assert device_counts is not None and len(device_counts[1]) == 4
-    general = _batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3, logprobs=2)
-    assert _verify_key(general, x, ids, [2, 1]) is None  # (raw top-n: the general path)
+    general = _batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3, logprobs=33)
+    assert _verify_key(general, x, ids, [2, 1]) is None  # (33 top-n: the general path)
     # (logit_bias / penalties, with or without filters or logprobs = 0, run in the kernels:
     # recorded like any fused call)
     assert _verify_key(_batch(n=2, vocab=8, repetition_penalty=1.2, top_k=3, logprobs=0), x,
@@ -406,9 +406,10 @@ def _same(a, b):
      True),
     ("onehot", {"temperature": 1.0, "presence_penalty": 0.5, "logprobs": 3,
                 "logprobs_mode": "processed"}, True),
-    # (raw top-n with penalties: the general path, never recorded)
     ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "top_k": 20, "logprobs": 2},
-     False),
+     True),
+    # (more than 32 top-n with penalties: the general path, never recorded)
+    ("onehot", {"temperature": 1.0, "repetition_penalty": 1.2, "logprobs": 33}, False),
 ])
 def test_gpu_verify_replays_token_for_token(kind, params, replays):
     dev = torch.device("cuda")

@@ -106,17 +106,19 @@ def test_general_path_with_bans_ranks_processed_top_n_by_the_exact_value(n_top):
 
 
 def test_general_path_with_bias_ranks_by_z_prime():
-    # With logit_bias the backends rank by z' (semantics.md), so the same pair goes by id; the
-    # raw top-n of the batch take the PyTorch path, its processed top-n stay on the kernels.
-    for second, want_path in (("processed", "triton.logprobs.fused"),
-                              ("raw", "triton.logprobs.torch")):
+    # With logit_bias the backends rank by z' (semantics.md), so the same pair goes by id;
+    # the kernels process the rows and serve processed and raw top-n (the raw tiles ranked
+    # apart, raw_topn_kernel); past 32 top-n the general path's PyTorch code.
+    for second, n2, want_path in (("processed", 2, "triton.logprobs.fused"),
+                                  ("raw", 2, "triton.logprobs.fused"),
+                                  ("raw", 33, "triton.logprobs.torch")):
         out, ref, path, _ = _general_rows([
             SamplingParams(temperature=1.0, seed=1, logprobs=3, logprobs_mode="processed"),
-            SamplingParams(temperature=0.5, seed=2, logprobs=2, logprobs_mode=second,
+            SamplingParams(temperature=0.5, seed=2, logprobs=n2, logprobs_mode=second,
                            logit_bias={7: -1.0})])
         assert path == [want_path]
         _assert_same(out, ref)
-        assert out.logprob_token_ids[0, 0, 1:].tolist() == [0, 3, 5]
+        assert out.logprob_token_ids[0, 0, 1:4].tolist() == [0, 3, 5]
 
 
 def test_sample_with_one_token_tiles_and_ties(monkeypatch):

@@ -201,6 +201,8 @@ def _calls():
     # a raw logprobs = 0 (the raw normaliser)
     yield lambda: _sample(bf16, 300, [(0.7, 3, "processed", dict(bad_words_token_ids=[[5]])),
                                       (0.0, 0, "raw", dict(min_tokens=9, stop_token_ids=[4]))])
+    # raw top-n with penalties: the raw tiles' maxima and raw_topn_kernel
+    yield lambda: _sample(fp16, 300, [(0.7, 3, "raw", GENERAL), (1.0, 2, "processed", GENERAL)])
     for i, (kind, method, processors, dtype, lps) in enumerate([
             ("onehot", "token", False, bf16, None),
             ("onehot", "token", False, fp16, rp),

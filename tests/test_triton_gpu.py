@@ -327,9 +327,9 @@ def test_capture_and_replay_every_option(kind, method):
 
 def test_capture_refuses_the_general_path():
     # (logit_bias is applied in the kernels and captures, with top_k and logprobs too; with
-    # raw top-n logprobs, ranked by the raw logits, it is general)
+    # more than 32 top-n logprobs it is general)
     batch = SamplingBatch.from_params([SamplingParams(seed=1, logit_bias={3: 1.0}, top_k=5,
-                                                      logprobs=2)],
+                                                      logprobs=33)],
                                       vocab_size=1024, device="cuda")
     logits = torch.randn(1, 1024, device="cuda")
     pos = torch.zeros(1, dtype=torch.int64, device="cuda")

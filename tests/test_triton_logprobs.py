@@ -81,10 +81,10 @@ def test_matches_torch_backend(kind, method, processors, dtype, vocab):
     logits, d, ks, batch0, pos, extra = _case(7, 7, vocab, dtype, kind, processors=processors)
     batch = _with_logprobs(batch0, MIXED, vocab)
     out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
-    # raw top-n on the general path rank raw logits whose tile maxima no pass wrote
-    assert path == ["triton.logprobs.torch" if processors is True else "triton.logprobs.fused"]
+    assert path == ["triton.logprobs.fused"]
     _assert_same(out, ref)
-    if processors is True:  # without raw top-n: the processing in the kernels
+    if processors is True:  # (raw top-n with the processing in the kernels: raw_topn_kernel)
+        assert "triton.processing.fused" in paths.counts()
         batch = _with_logprobs(batch0, MIXED_GENERAL, vocab)
         out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
         assert path == ["triton.logprobs.fused"]
@@ -351,10 +351,10 @@ def test_many_requests_with_placeholders():
 
 
 # Bans, logit_bias and penalties with logprobs: the kernels process the rows (no general
-# path), column 0 in both modes and processed top-n (raw top-n ranks raw logits: the general
-# path). Each request sets the processors every other one; PROCESSED_MIX has no raw top-n.
+# path), column 0 in both modes, processed top-n and raw top-n (the raw tiles ranked apart:
+# raw_topn_kernel). Each request sets the processors every other one.
 PROCESSED_MIX = [(None, "raw"), (0, "raw"), (3, "processed"), (20, "processed"),
-                 (0, "processed"), (1, "processed"), (5, "processed")]
+                 (4, "raw"), (1, "processed"), (5, "processed")]
 PROCESSOR_SETS = {
     "bias": dict(logit_bias={3: 2.5, 7: -1.0, 3999: 4.0}),
     "penalties": dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3),
@@ -400,12 +400,14 @@ def test_processors_with_logprobs_on_the_kernels(name, kind, method):
         i = 3  # (processed, logprobs 20, allowed_token_ids)
         got = out.logprob_token_ids[i, 0].tolist()
         assert sorted(got[1:5]) == [4, 40, 400, 3000] and got[5:8] == [0, 1, 2]
-    # raw top-n with processors: the general path, the same values
-    batch_raw = _processed_case(21, kind, name, lps=[(4, "raw"), (2, "processed")])[3]
-    out, ref, path = _both(logits, d, ks, batch_raw, pos, extra, method)
-    assert path == ["triton.logprobs.torch"]
-    assert "triton.processing.fused" not in paths.counts()
-    _assert_same(out, ref)
+    # raw top-n alone, and more than 32 top-n (the general path), the same values
+    for lps, general in (([(4, "raw"), (None, "raw")], False),
+                         ([(33, "raw"), (2, "processed")], True)):
+        batch2 = _processed_case(21, kind, name, lps=lps)[3]
+        out, ref, path = _both(logits, d, ks, batch2, pos, extra, method)
+        assert path == ["triton.logprobs.torch" if general else "triton.logprobs.fused"]
+        assert ("triton.processing.fused" in paths.counts()) != general
+        _assert_same(out, ref)
 
 
 @pytest.mark.parametrize("name", ["bias", "bans"])
@@ -521,3 +523,31 @@ def test_gpu_processors_with_logprobs(vocab, name, kind, method):
         torch.cuda.synchronize()
         for field in ("token_ids", "num_accepted", "logprobs", "logprob_token_ids"):
             assert torch.equal(getattr(graph_out, field), getattr(eager, field)), field
+
+
+def test_raw_top_n_with_bias_ranks_the_raw_logits():
+    # Raw top-n of a biased request rank the raw row, whose best tiles the processed
+    # statistics do not rank first: the raw maxima sit in the last tiles, biased far down.
+    # The processed top-n of the same rows differ, so ranking the processed tiles would fail.
+    vocab = 3 * 2048 + 5
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, vocab, generator=gen)
+    top = [6000, 6001, 4100, 4099]  # (ids in the last two tiles)
+    x[:, top] = torch.tensor([9.0, 8.5, 8.0, 8.0])
+    bias = {t: -30.0 for t in top}
+    params = [SamplingParams(temperature=0.8, seed=1, logprobs=6, logit_bias=bias),
+              SamplingParams(temperature=1.0, seed=2, logprobs=6, logprobs_mode="processed",
+                             logit_bias=bias, top_k=3)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(x.to(DEVICE), d, [0, 0], batch, torch.arange(2, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    assert "triton.processing.fused" in paths.counts()
+    _assert_same(out, ref)
+    want_raw = sorted(range(vocab), key=lambda t: (-float(x[0, t]), t))[:6]
+    assert want_raw[:4] == [6000, 6001, 4099, 4100]
+    assert out.logprob_token_ids[0, 0, 1:].tolist() == want_raw
+    raw_lp = torch.log_softmax(x[0].double(), -1)[want_raw]
+    torch.testing.assert_close(out.logprobs[0, 0, 1:].cpu().double(), raw_lp, atol=1e-5,
+                               rtol=0)
+    assert not set(out.logprob_token_ids[1, 0, 1:4].tolist()) & set(top)

@@ -402,16 +402,17 @@ def test_candidates_raised_by_processing(proc, top_k, want):
     assert got == want, got
 
 
-def test_raw_top_n_logprobs_keep_the_general_path():
-    # What the kernels do not serve with bans / bias / penalties: raw top-n logprobs (ranked
-    # by the raw logits) and more than 32 top-n take the counted general path; logprobs = 0
-    # and processed top-n run in the kernels.
+def test_more_than_32_top_n_logprobs_keep_the_general_path():
+    # What the kernels do not serve with bans / bias / penalties: more than 32 top-n
+    # logprobs take the counted general path; logprobs = 0 and top-n up to 32, raw or
+    # processed, run in the kernels.
     vocab = 300
     logits, d, ks, batch, pos = _case(4, 4, vocab, torch.bfloat16, CASES[0][1])
     for extra, general in ((dict(logprobs=0), False), (dict(top_k=5, logprobs=0), False),
                            (dict(logprobs=3, logprobs_mode="processed"), False),
                            (dict(logprobs=33, logprobs_mode="processed"), True),
-                           (dict(min_tokens=3, stop_token_ids=(4,), logprobs=2), True)):
+                           (dict(min_tokens=3, stop_token_ids=(4,), logprobs=2), False),
+                           (dict(min_tokens=3, stop_token_ids=(4,), logprobs=40), True)):
         params = [dataclasses.replace(p, **extra) for p in batch.params]
         b = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE,
                                       output_token_ids=[[1, 2]] * 4)

@@ -55,11 +55,12 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                 dict(temperature=t(), logprobs=20, logprobs_mode="processed", top_p=0.9),
                 dict(temperature=t(), seed=9, logprobs=1, logprobs_mode="raw", min_p=0.02),
                 dict(temperature=t(), seed=10)]
-    general_lp = [dict(temperature=t(), seed=11, logprobs=3, presence_penalty=0.3),
-                  dict(temperature=t(), logprobs=0, logprobs_mode="processed",
-                       logit_bias={4: 1.0}),
-                  dict(temperature=0.0, logprobs=2, logprobs_mode="raw",
-                       repetition_penalty=1.1)]
+    # (raw top-n with the processing in the kernels: the raw tiles ranked apart)
+    raw_topn = [dict(temperature=t(), seed=11, logprobs=3, presence_penalty=0.3),
+                dict(temperature=t(), logprobs=0, logprobs_mode="processed",
+                     logit_bias={4: 1.0}),
+                dict(temperature=0.0, logprobs=2, logprobs_mode="raw",
+                     repetition_penalty=1.1)]
     # (processed top-n and logprobs = 0 with the processing in the kernels: ranked by z' with
     # logit_bias / penalties, by z with bans alone)
     processed_topn = [dict(temperature=t(), seed=12, logprobs=2, logprobs_mode="processed",
@@ -72,7 +73,7 @@ def _option_mixes(gen: torch.Generator, vocab: int):
                dict(temperature=t(), logprobs=0, allowed_token_ids=list(range(3, vocab, 5)))]
     return {name: [P(**kw) for kw in mix] for name, mix in
             (("plain", plain), ("filters", filters), ("general", general), ("bans", bans),
-             ("logprobs", logprobs), ("general_lp", general_lp),
+             ("logprobs", logprobs), ("raw_topn", raw_topn),
              ("processed_topn", processed_topn), ("bans_lp", bans_lp))}
 
 

@@ -96,12 +96,11 @@ def _refuse_uncapturable(backend: str, plan: Plan, op: str, device: torch.device
     from . import triton_backend
 
     if triton_backend.route(plan) == "general":
-        raise ValueError(f"{op}(): bans, logit_bias or penalties together with raw top-n "
-                         "logprobs (or more than 32 top-n) take the general path (PyTorch "
-                         "processing with host synchronisation), which cannot run inside "
-                         "CUDA-graph capture; temperature, min_p, top_k, top_p and logprobs "
-                         "can, and bans / logit_bias / penalties with logprobs = 0 or "
-                         "processed top-n")
+        raise ValueError(f"{op}(): bans, logit_bias or penalties together with more than "
+                         "32 top-n logprobs take the general path (PyTorch processing with "
+                         "host synchronisation), which cannot run inside CUDA-graph capture; "
+                         "temperature, min_p, top_k, top_p, bans, logit_bias, penalties and "
+                         "logprobs up to 32 top-n can")
 
 
 def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:

@@ -102,9 +102,12 @@ OPTION_CASES = {
                             stop_token_ids="random")),
     "T1.0+allowed1024": (1.0, dict(allowed_token_ids="random")),
     # penalties and filters with logprobs: an API server's logprobs = 0 (raw, the default)
-    # under Qwen2.5's defaults, and an RL rollout's processed top-5 with penalties
+    # under Qwen2.5's defaults and its top-5 (raw) with penalties, and an RL rollout's
+    # processed top-5 with penalties
     "T0.7+k20+p0.8+rep1.05+lp0": (0.7, dict(top_k=20, top_p=0.8, repetition_penalty=1.05,
                                            logprobs=0)),
+    "T1.0+rep1.1+pres0.5+lp5-raw": (1.0, dict(repetition_penalty=1.1, presence_penalty=0.5,
+                                              logprobs=5)),
     "T1.0+rep1.1+pres0.5+lp5-processed": (1.0, dict(repetition_penalty=1.1, presence_penalty=0.5,
                                                     logprobs=5, logprobs_mode="processed")),
 }

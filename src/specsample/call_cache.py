@@ -27,7 +27,7 @@ A key whose recording fails is refused for good and runs as usual; the refusal i
 ``host.replay_refused.<reason>`` (for example ``op.aten._to_copy.default``: an input converted
 inside the call). Never recorded (:func:`call_key` returns None): CPU tensors (the torch backend and
 Triton's interpreter), another ``$SPECSAMPLE_BACKEND``, batches on the general path (PyTorch
-processing: bans, logit_bias or penalties together with raw top-n logprobs), calls
+processing: bans, logit_bias or penalties together with more than 32 top-n logprobs), calls
 under CUDA-graph capture (a graph replays without host work anyway), host lists for tensors other
 than ``num_draft_tokens``, and calls while Triton launch hooks (a profiler) are installed or inside
 ``triton_backend.general_path()``. Under :func:`specsample.paths.forbid`, a replayed call whose

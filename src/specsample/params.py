@@ -413,22 +413,20 @@ class SamplingBatch:
         return (len(ranked), any(q and not k for k, q in ranked),
                 any(p.min_p > 0 for p in sampled))
 
-    @functools.cached_property
+    @property
     def processing_in_kernels(self) -> bool:
         """True when the batch sets bans, logit_bias or penalties, with or without min_p /
         top_k / top_p: the Triton kernels apply them (``triton_backend.fused_processing``),
-        with one-hot drafts or a draft distribution, unless a request asks for raw top-n
-        logprobs (ranked by the raw logits: the general path) or for more than
-        MAX_FUSED_TOP_N."""
-        return self.needs_general_path and (self.max_logprobs <= 0 or (
-            self.max_logprobs <= MAX_FUSED_TOP_N and not any(
-                p.logprobs_mode == "raw" and (p.logprobs or 0) > 0 for p in self.params)))
+        with one-hot drafts or a draft distribution, and logprobs, unless a request asks for
+        more than MAX_FUSED_TOP_N top-n logprobs."""
+        return self.needs_general_path and self.max_logprobs <= MAX_FUSED_TOP_N
 
     @property
     def needs_general_path(self) -> bool:
         """True when a processor beyond temperature and the filters is active (bans, bias,
         penalties). On the Triton backend they take the counted general path unless the
-        kernels apply them (``triton_backend.fused_processing``: unless raw top-n logprobs).
+        kernels apply them (``triton_backend.fused_processing``: unless more than 32 top-n
+        logprobs).
         Temperature and the filters (min_p, top_k, top_p) are fused."""
         return self.needs_penalties or self.needs_bias or self.needs_bans
 
@@ -809,7 +807,7 @@ class SamplingBatch:
         :meth:`append` counts outputs on the device, so the host does not know when a
         request passes its min_tokens: its stop tokens stay in ``stop_req`` (banned only
         while ``num_output + j < min_tokens``, so results are exact) and ``needs_bans``
-        stays True (the Triton kernels keep looking them up; with raw top-n logprobs the
+        stays True (the Triton kernels keep looking them up; with more than 32 top-n logprobs the
         batch keeps the general path). Call this where the
         caller synchronises anyway (e.g. after reading the tokens); it reads ``num_output``
         (only when some request still has stop-token entries) and rebuilds the entries.

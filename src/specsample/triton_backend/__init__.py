@@ -12,14 +12,13 @@ Paths (``specsample.paths``):
   the kernels load each row (``penalties``: the row's banned tokens from
   ``penalties.ban_table_kernel``, the request's row of the allowed mask, the bias entries of the
   request, its output counts and prompt flags from the batch's device state, the drafts
-  before the row), unless a request asks for raw top-n logprobs
+  before the row), unless a request asks for more than 32 top-n logprobs
   (:func:`fused_processing`; with a draft distribution the finish and residual kernels
   process the target values they read too, and the logprob kernels process what they read);
   the path ``triton.processing.fused`` counts those rows. With min_p / top_k / top_p too, the
   filter kernels read the rows processed the same way (``triton.*.filtered``).
 * ``triton.sample.general`` / ``triton.verify.general``: a batch with bans, logit_bias or
-  penalties in which a request asks for raw top-n logprobs (ranked by the raw logits, whose
-  tile maxima the processed statistics pass does not write) or for more than 32; the
+  penalties in which a request asks for more than 32 top-n logprobs; the
   processed float32 logits are materialised by ``specsample.processing`` (PyTorch), then the
   same kernels run on them (a counted fallback).
 * ``triton.verify_tree.fused`` / ``.filtered`` / ``.general``: ``verify_tree()`` of
@@ -32,10 +31,10 @@ Paths (``specsample.paths``):
   their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
   launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
-* ``triton.logprobs.torch``: more than 32 top-n logprobs, top-n on the general path (but
-  processed top-n with logit_bias or penalties), or ``verify_tree()``: the emitted
-  rows are gathered and their log-distributions computed with PyTorch from the kernels' row
-  statistics.
+* ``triton.logprobs.torch``: more than 32 top-n logprobs, top-n on the general path inside
+  :func:`general_path` (but processed top-n with logit_bias or penalties), or
+  ``verify_tree()``: the emitted rows are gathered and their log-distributions computed
+  with PyTorch from the kernels' row statistics.
 * ``triton.copy.noncontiguous``: the logits' last dimension was not contiguous and was copied.
 * ``triton.one_launch``: a call whose rows were read, drawn and finished in one launch
   (``kernels.stats_draw_kernel``), eager or captured in a CUDA graph: no filter kernels (the
@@ -151,8 +150,8 @@ def fused_processing(plan: Plan) -> bool:
     (``penalties``; the filter kernels too, on the processed rows, and with draft_logits /
     draft_probs the kernels that read target rows after the statistics: the finish's p(d_j),
     the residual's masses and draw; the logprob kernels) instead of the general path: a
-    batch that sets some of them, unless a request asks for raw top-n logprobs or more than
-    32 (``SamplingBatch.processing_in_kernels``)."""
+    batch that sets some of them, unless a request asks for more than 32 top-n logprobs
+    (``SamplingBatch.processing_in_kernels``)."""
     return plan.batch.processing_in_kernels and not _GENERAL.get()
 
 
@@ -877,7 +876,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     penalised_filtered = [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
                           for p, q in penalised]
     # logprobs with the processing in the kernels: processed top-n ranked by z' (logit_bias,
-    # penalties) or by z (bans alone), and logprobs = 0 in raw mode (the raw normaliser)
+    # penalties) or by z (bans alone), raw top-n (raw_topn_kernel) and logprobs = 0 in raw
+    # mode (the raw normaliser)
     bans_only = [SamplingParams(temperature=0.0, bad_words_token_ids=[[1]]),
                  SamplingParams(temperature=0.8, seed=1, min_tokens=2, stop_token_ids=[4])]
     processed_lp = [[dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
@@ -885,6 +885,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                     for plist in (*penalised, bans_only, *penalised_filtered,
                                   [bans_only[0], dataclasses.replace(bans_only[1], top_k=5)])
                     for n_top, modes in ((2, ("processed", "processed")),
+                                         (2, ("raw", "processed")),
                                          (0, ("raw", "processed")))]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]

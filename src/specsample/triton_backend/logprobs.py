@@ -40,6 +40,9 @@ filters' dropped tokens are set to -inf before that division, only finite entrie
 candidates, and every -inf entry comes from the lowest ids. (One case can differ from the
 PyTorch backend: a dropped token whose distinct z rounds to the same z' as a survivor,
 with a lower id, at the top-n boundary; the tiles are ranked by their unfiltered maxima.)
+Raw top-n rank the raw row, whose tile maxima the processed statistics do not give: the
+raw normaliser's pass writes them (RAWTOP) and ``raw_topn_kernel`` ranks and extracts
+them, one launch more.
 """
 
 from __future__ import annotations
@@ -148,26 +151,53 @@ def _ranked_values(x, offs, lo, hi, i, j, m, t, cut_v, cut_i, pen, PEN: tl.const
     return x
 
 
-@triton.jit(do_not_specialize=["K1", "S", "CPS", "G", "filtered", "BW", "KP", "AV"])
+@triton.jit
+def _append_tile(x, offs, v, lo, n_left, p, r, count_ptr, cand_ptr, finite_only,
+                 NPAD: tl.constexpr, CAND: tl.constexpr):
+    """Append the best ``n_left`` entries >= ``lo`` of a tile (values ``x`` at ids ``offs``,
+    NaN where nothing is; ``v`` its maximum) to position ``p``'s candidates, in key order:
+    per entry one minimum of ids (the lowest id at the value) and one maximum of what is
+    left >= lo; finite entries only when ``finite_only``. One atomic add on row ``r``'s
+    count places them."""
+    slots = tl.arange(0, NPAD)
+    got = tl.full([NPAD], EMPTY, tl.int64)
+    c = 0
+    best = tl.min(tl.where(x == v, offs, BIG), axis=0)
+    more = (best < BIG) & (v >= lo) & ((v > -float("inf")) | (finite_only == 0))
+    while (c < n_left) & more:
+        got = tl.where(slots == c, _key(v, best), got)
+        x = tl.where(offs == best, float("nan"), x)
+        c += 1
+        v = tl.max(tl.where(x >= lo, x, -float("inf")), axis=0)
+        best = tl.min(tl.where(x == v, offs, BIG), axis=0)
+        more = (best < BIG) & (v >= lo) & ((v > -float("inf")) | (finite_only == 0))
+    if c > 0:
+        at = tl.atomic_add(count_ptr + r, c)
+        tl.store(cand_ptr + p.to(tl.int64) * CAND + at + slots, got, mask=slots < c)
+
+
+@triton.jit(do_not_specialize=["K1", "S", "CPS", "G", "NT", "filtered", "BW", "KP", "AV"])
 def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_acc_ptr,
                         invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
                         cut_v_ptr, cut_i_ptr, stats_ptr, rank_ptr, count_ptr, pm_ptr, ps_ptr,
-                        cand_ptr, S, CPS, G, filtered,
+                        cand_ptr, rawtop_ptr, NT, S, CPS, G, filtered,
                         rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
                         bids_ptr, bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
                         aslot_ptr, amask_ptr, AV,
                         GENERAL: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr,
-                        NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+                        RAWTOP: tl.constexpr, NPAD: tl.constexpr, CAND: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Program (position, q) of an emitted position: for each rank rq = q, q + G, ... below
     n, the best n - rq entries >= L of the tile of rank rq (``rank_tiles``) of the row the
     position ranks (the rows sampled from, unmasked: merging applies the filters' cut; with
     PEN processed as they load, and with ZRANK as z' with the dropped tokens at -inf, finite
     entries only), appended as keys to the position's candidates (an atomic count per row;
     n(n+1)/2 at most, so never past CAND); with q < S when the raw normaliser is needed, the
-    raw row's max and sum of exp over split q (CPS tiles).
+    raw row's max and sum of exp over split q (CPS tiles), and with RAWTOP (raw top-n with
+    PEN, whose tiles the processed statistics do not rank) each of those tiles' raw maximum
+    into rawtop [positions, NT] for ``raw_topn_kernel``, which extracts raw top-n.
 
-    The extraction starts from the tile's maximum (its rank key holds it): per entry one
-    minimum of ids (the lowest id at the value) and one maximum of what is left >= L."""
+    The extraction starts from the tile's maximum (its rank key holds it)."""
     p = tl.program_id(0)
     q = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -183,15 +213,18 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
             offs = c * BLOCK + lanes
             x = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + offs, mask=offs < V,
                         other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
+            x_max = tl.max(x, axis=0)
+            if RAWTOP:
+                tl.store(rawtop_ptr + p.to(tl.int64) * NT + c, x_max, mask=c < NT)
+            m_new = tl.maximum(m, x_max)
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             acc = acc * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
             m = m_new
         o = p.to(tl.int64) * S + q
         tl.store(pm_ptr + o, m)
         tl.store(ps_ptr + o, acc)
-    if emitted & (q < n_want) & (q < G):  # (programs q >= G only compute normaliser splits)
-        slots = tl.arange(0, NPAD)
+    # (programs q >= G only compute normaliser splits; raw top-n with PEN: raw_topn_kernel)
+    if emitted & (q < n_want) & (q < G) & ~(raw & (PEN != 0)):
         o_rank = r.to(tl.int64) * NPAD
         k_lo = tl.load(rank_ptr + o_rank + n_want - 1)
         lo, _ = _unkey(k_lo)
@@ -214,50 +247,68 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
                             other=float("nan")).to(tl.float32)
                 x = _ranked_values(x, offs, tile * BLOCK, tile * BLOCK + BLOCK, i, j, m_row,
                                    t_eff, cut_v, cut_i, pen, PEN, ZRANK)
-                got = tl.full([NPAD], EMPTY, tl.int64)
-                c = 0
-                best = tl.min(tl.where(x == v, offs, BIG), axis=0)
-                more = (best < BIG) & (v >= lo)
-                if ZRANK:  # (the -inf entries come from the lowest ids: _emit_sorted)
-                    more = more & (v > -float("inf"))
-                while (c < n_want - rq) & more:
-                    got = tl.where(slots == c, _key(v, best), got)
-                    x = tl.where(offs == best, float("nan"), x)
-                    c += 1
-                    v = tl.max(tl.where(x >= lo, x, -float("inf")), axis=0)
-                    best = tl.min(tl.where(x == v, offs, BIG), axis=0)
-                    more = (best < BIG) & (v >= lo)
-                    if ZRANK:
-                        more = more & (v > -float("inf"))
-                if c > 0:
-                    at = tl.atomic_add(count_ptr + r, c)
-                    tl.store(cand_ptr + p.to(tl.int64) * CAND + at + slots, got, mask=slots < c)
+                # (with ZRANK the -inf entries come from the lowest ids: _emit_sorted)
+                _append_tile(x, offs, v, lo, n_want - rq, p, r, count_ptr, cand_ptr,
+                             ZRANK, NPAD, CAND)
+
+
+@triton.jit(do_not_specialize=["K1", "NT", "G", "filtered"])
+def raw_topn_kernel(raw_ptr, raw_stride, V, K1, num_acc_ptr, invalid_ptr, row_start_ptr,
+                    lp_n_ptr, lp_proc_ptr, temp_ptr, cut_v_ptr, cut_i_ptr, count_ptr,
+                    cand_ptr, rawtop_ptr, NT, G, filtered, NT_SORT: tl.constexpr,
+                    NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Raw top-n of the emitted positions in raw mode when the kernels process the rows (so
+    that the statistics pass's tile maxima are of the processed rows): program (position, q)
+    ranks the position's raw tile maxima (``topn_partial_kernel``'s rawtop, as
+    ``rank_tiles`` ranks) and appends the best n - rq entries >= L of the raw tiles of rank
+    rq = q, q + G, ... below n to its candidates."""
+    p = tl.program_id(0)
+    q = tl.program_id(1)
+    i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
+        p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_ptr, temp_ptr,
+        cut_v_ptr, cut_i_ptr, filtered, True)
+    if emitted & raw & (q < n_want):
+        t_idx = tl.arange(0, NT_SORT)
+        tops = tl.load(rawtop_ptr + p.to(tl.int64) * NT + t_idx, mask=t_idx < NT,
+                       other=-float("inf"))
+        srt = tl.sort(tl.where(t_idx < NT, _key(tops, t_idx), EMPTY), descending=True)
+        k_lo = tl.sum(tl.where(t_idx == n_want - 1, srt, 0), axis=0)
+        lo, _ = _unkey(k_lo)
+        lo = tl.where(k_lo == EMPTY, -float("inf"), lo)
+        lanes = tl.arange(0, BLOCK)
+        for rq in range(q, n_want, G):
+            k_tile = tl.sum(tl.where(t_idx == rq, srt, 0), axis=0)
+            if k_tile != EMPTY:
+                v, tile = _unkey(k_tile)
+                offs = tile * BLOCK + lanes
+                x = tl.load(raw_ptr + r.to(tl.int64) * raw_stride + offs, mask=offs < V,
+                            other=float("nan")).to(tl.float32)
+                _append_tile(x, offs, v, lo, n_want - rq, p, r, count_ptr, cand_ptr, 0,
+                             NPAD, CAND)
 
 
 @triton.jit
 def _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r, V,
-                 out_v_ptr, out_i_ptr, o_out, cols, filtered, i, j, t, pen,
+                 out_v_ptr, out_i_ptr, o_out, cols, filtered, raw, i, j, t, pen,
                  NPAD: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr):
     """Columns 1..n of one position from its candidate keys (any order, EMPTY padding): the
     best while they survive the filters' cut (a prefix), then the dropped tokens at -inf,
-    lowest ids first (found among the first 2 * NPAD ids), then -inf / -1. With ZRANK the
-    keys hold z' (``m`` the row's maximum, used for the lowest ids' z' only), the survivors
-    are the finite ones and every -inf token comes from the lowest ids."""
+    lowest ids first (found among the first 2 * NPAD ids), then -inf / -1. With ZRANK, at a
+    position in processed mode (not ``raw``), the keys hold z' (``m`` the row's maximum,
+    used for the lowest ids' z' only), the survivors are the finite ones and every -inf
+    token comes from the lowest ids."""
     srt = tl.sort(keys, descending=True)
     v, ids = _unkey(srt)
     idx = tl.arange(0, keys.shape[0])
-    if ZRANK:
-        surv = (srt != EMPTY) & (v > -float("inf"))
-        vals = v - logz
-    else:
-        surv = (srt != EMPTY) & _survives(v, ids, cut_v, cut_i)
-        vals = (v - m) / div - logz
+    zr = ZRANK & ~raw
+    surv = (srt != EMPTY) & tl.where(zr, v > -float("inf"), _survives(v, ids, cut_v, cut_i))
+    vals = tl.where(zr, v - logz, (v - m) / div - logz)
     kept = tl.sum((surv & (idx < n_want)).to(tl.int32), axis=0)
     live = idx < kept
     tl.store(out_v_ptr + o_out + 1 + idx, vals, mask=live)
     tl.store(out_i_ptr + o_out + 1 + idx, ids.to(tl.int64), mask=live)
     filled = kept
-    if filtered | ZRANK:
+    if (filtered & ~raw) | zr:  # (processed positions; raw mode has no cut)
         low = tl.arange(0, 2 * NPAD)
         x_low = tl.load(proc_ptr + r.to(tl.int64) * proc_stride + low, mask=low < V,
                         other=0.0).to(tl.float32)
@@ -356,11 +407,11 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                     best = tl.max(pool, axis=0)  # (keys are distinct: one id each)
                     keys = tl.where(cs == c, best, keys)
                     pool = tl.where(pool == best, EMPTY, pool)
-            if ZRANK:  # (the row's maximum, for the z' of its lowest ids)
-                m = m_row
+            if ZRANK:  # (processed: the row's maximum, for the z' of its lowest ids)
+                m = tl.where(raw, m, m_row)
             _emit_sorted(keys, n_want, m, div, logz, cut_v, cut_i, proc_ptr, proc_stride, r,
-                         V, out_v_ptr, out_i_ptr, o_out, cols, filtered, i, j, t_eff, pen,
-                         NPAD, PEN, ZRANK)
+                         V, out_v_ptr, out_i_ptr, o_out, cols, filtered, raw, i, j, t_eff,
+                         pen, NPAD, PEN, ZRANK)
 
 
 def supported(plan: Plan, general: bool) -> bool:
@@ -368,8 +419,7 @@ def supported(plan: Plan, general: bool) -> bool:
     general path (whose tile maxima are of the processed rows z') no raw top-n, and processed
     top-n only when logit_bias or penalties make z' the order they rank by (semantics.md;
     with bans alone they rank by the raw logits). With the processing in the kernels
-    (``general`` False; ``SamplingBatch.processing_in_kernels`` excludes raw top-n) every
-    case."""
+    (``general`` False) every case."""
     batch = plan.batch
     if not 0 <= batch.max_logprobs <= NPAD:
         return False
@@ -421,7 +471,8 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     ``programs``: about how many programs the top-n extraction spreads over. ``pen``: when the
     kernels processed the rows (``fused_processing``; ``proc`` is then ``raw``), (their PEN
     kind, the kernels' ``penalties`` tuple): the processed values are made again where read,
-    and processed top-n rank by z' when the batch sets logit_bias or penalties. No host
+    processed top-n rank by z' when the batch sets logit_bias or penalties, and raw top-n
+    rank the raw tiles' maxima (``raw_topn_kernel``, one launch more). No host
     synchronisation.
     """
     batch, dev = plan.batch, raw.device
@@ -458,11 +509,21 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     # ranks per program: about `programs` programs in all (most positions are not emitted)
     g = min(n_max, max(1, math.ceil(programs / p)))
     q = max(g, s if need_full else 0)
+    # raw top-n with the processing in the kernels: the raw tiles' maxima, their own ranking
+    raw_top = pen is not None and any(
+        p_.logprobs_mode == "raw" and (p_.logprobs or 0) > 0 for p_ in batch.params)
+    rawtop = workspace.scratch("logprobs.rawtop", (p, nt), torch.float32, dev) if raw_top else pm
+    warps = 4 if num_warps > 1 else 1
     if q > 0:
         launch(topn_partial_kernel)[(p, q)](
             raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, rank, count, pm, ps,
-            cand, s, cps, max(g, 1), int(filtered), *pen_args, NPAD=NPAD, CAND=CAND,
-            BLOCK=BLOCK_TILE, num_warps=4 if num_warps > 1 else 1, **flags)
+            cand, rawtop, nt, s, cps, max(g, 1), int(filtered), *pen_args, RAWTOP=raw_top,
+            NPAD=NPAD, CAND=CAND, BLOCK=BLOCK_TILE, num_warps=warps, **flags)
+    if raw_top:
+        launch(raw_topn_kernel)[(p, g)](
+            raw, raw.stride(0), vocab, k1, *common[:-1], count, cand, rawtop, nt, g,
+            int(filtered), NT_SORT=max(NPAD, triton.next_power_of_2(nt)), NPAD=NPAD, CAND=CAND,
+            BLOCK=BLOCK_TILE, num_warps=warps)
     launch(logprob_merge_kernel)[(p,)](
         raw, raw.stride(0), proc, proc.stride(0), vocab, k1, *common, token_ids, pm, ps,
         cand, count, s, out_v, out_i, n_max + 1, int(filtered), *pen_args, **flags,
