@@ -77,7 +77,8 @@ def test_ranks_are_extracted_once_when_splits_outnumber_programs(monkeypatch, ca
 
 
 def _general_rows(params):
-    """Two requests without drafts (``params``, the general path) over rows where z' rounds
+    """Two requests without drafts (``params``: bans, bias or penalties, which took the general
+    path when these tests were written; the kernels process them now) over rows where z' rounds
     two logits together: 1000 @ 0, 0.1 @ 3 and the next float above it @ 5, -5 elsewhere
     (V = 40): (Triton output, torch backend output, the logprob path, the float64 reference's)."""
     x = torch.full((2, 40), -5.0)

@@ -317,3 +317,20 @@ def test_raw_logprobs_exact_at_a_large_vocabulary():
         exact = want[i].gather(0, ids[i, :n])
         assert float((got[i, :n].double() - exact).abs().max()) < 1e-5
     assert ids[0, 1:4].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e38])
+def test_raw_logprobs_exact_at_large_magnitudes(scale):
+    # (found by an attack) The raw normaliser subtracted as max + log(sum) rounded to float32
+    # lost 3e-4 at logits of 1e4 and everything at 1e38 (three equal logits gave 0.0); the
+    # max and the log-sum are now subtracted apart, as the kernels do.
+    logits = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.7, -0.4]]) * scale
+    if scale > 1e30:
+        logits[1] = torch.tensor([1e38, 1e38, -1e38])
+    params = [SamplingParams(temperature=1.0, seed=i, logprobs=2) for i in range(2)]
+    batch = SamplingBatch.from_params(params, vocab_size=3)
+    out = specsample.sample(logits, batch, positions=torch.arange(2), strict=False)
+    want = torch.log_softmax(logits.double(), -1)
+    got = out.logprobs[:, 1:]
+    ids = out.logprob_token_ids[:, 1:]
+    torch.testing.assert_close(got.double(), want.gather(1, ids), atol=1e-6, rtol=0)

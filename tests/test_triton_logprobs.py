@@ -551,3 +551,24 @@ def test_raw_top_n_with_bias_ranks_the_raw_logits():
     torch.testing.assert_close(out.logprobs[0, 0, 1:].cpu().double(), raw_lp, atol=1e-5,
                                rtol=0)
     assert not set(out.logprob_token_ids[1, 0, 1:4].tolist()) & set(top)
+
+
+@pytest.mark.parametrize("n_top", [1, 2])
+def test_z_prime_ranking_with_a_filter_ranks_the_filtered_tiles(n_top):
+    # (found by review) Processed top-n with logit_bias and top_k: a dropped token (id 10,
+    # tile 0) whose z rounds to the same z' as a survivor (id 2100, tile 1) must not take the
+    # survivor's place: the tiles rank by the filtered row's maxima. Ranking the unfiltered
+    # tile maxima gave [4200, 0] at n = 2.
+    t = 3.0
+    b, a, m = _z_prime_tie(t)  # (a one ulp above b, the same z')
+    vocab = 3 * 2048
+    row = torch.full((vocab,), -20.0)
+    row[4200], row[2100], row[10] = m, a, b  # (top_k 2 keeps 4200 and 2100, the larger)
+    params = [SamplingParams(temperature=t, seed=1, logprobs=n_top, logprobs_mode="processed",
+                             logit_bias={6000: 0.0}, top_k=2)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    d = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    out, ref, path = _both(row[None].to(DEVICE), d, [0], batch, torch.arange(1, device=DEVICE))
+    assert path == ["triton.logprobs.fused"]
+    assert ref.logprob_token_ids[0, 0, 1:].tolist() == [4200, 2100][:n_top]
+    _assert_same(out, ref)

@@ -1048,7 +1048,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-check", action="store_true",
                    help="CPU check only: the CPU path per option (verify() at B=1, K=4, "
                         "V=49152 per option, sample() at B=1, verify() at B=8, V=151936) "
-                        "against one torch.softmax of the same rows, with issue 15's targets")
+                        "against one torch.softmax of the same rows, with the CPU targets of "
+                        "BENCHMARKS.md")
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="measure nothing: print the table and draw bench.png of a saved "
                         "bench.json into --out")

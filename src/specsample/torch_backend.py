@@ -729,16 +729,20 @@ def top_n_logprobs(lp: torch.Tensor, n: int,
     return vals, ids
 
 
-def raw_log_normaliser(y: torch.Tensor) -> torch.Tensor:
-    """[R, 1] float32 log sum exp of the rows of ``y`` [R, V] float32 (-inf for a row without a
-    finite value): the max, then the sum of exp(y - max) in blocks of 16 in float32 and the
-    blocks in float64 (``processing.block_total``), so it is exact to float32 rounding at
-    any V (``torch.log_softmax`` in float32 drifts by 4e-4 at V = 131,072 on a row with a
-    long flat tail) and each row's value does not depend on the batch."""
+def raw_log_normaliser(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log sum exp of the rows of ``y`` [R, V] float32 as ([R, 1] float32 max m, [R, 1]
+    float32 log of the sum of exp(y - m)): the raw logprob of x is ``(x - m) - log_sum``, the
+    two parts subtracted apart, as the kernels do, so that it stays exact to float32 rounding
+    at any magnitude (``m + log_sum`` rounded first loses 1e-5 at logits of 1e3 and all of it
+    at 1e38). The sum runs in blocks of 16 in float32 and the blocks in float64
+    (``processing.block_total``), so it is exact to float32 rounding at any V
+    (``torch.log_softmax`` in float32 drifts by 4e-4 at V = 131,072 on a row with a long flat
+    tail) and each row's value does not depend on the batch. A row without a finite value
+    gives m = 0 and log_sum = -inf."""
     m = y.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     total = block_total(torch.exp(y - m_safe))
-    return (m_safe.double() + total.log()).float()
+    return m_safe, total.log().float()
 
 
 def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens: torch.Tensor,
@@ -766,14 +770,15 @@ def emitted_logprobs(plan: Plan, processed_logprobs, rows: torch.Tensor, tokens:
     if n == 0:
         col0 = processed_logprobs(flat, tok) if any_processed else None
         if not all_processed:
-            raw = (plan.logits[flat, tok].float()[:, None]
-                   - raw_log_normaliser(plan.logits[flat].float()))[:, 0]
+            m, log_sum = raw_log_normaliser(plan.logits[flat].float())
+            raw = ((plan.logits[flat, tok].float()[:, None] - m) - log_sum)[:, 0]
             col0 = raw if col0 is None else torch.where(processed, col0, raw)
         vals, ids = col0[:, None], tok[:, None]
     else:
         if not all_processed:
             raw_rank = plan.logits[flat].float()
-            raw_lp = raw_rank - raw_log_normaliser(raw_rank)
+            m, log_sum = raw_log_normaliser(raw_rank)
+            raw_lp = (raw_rank - m) - log_sum
         if not any_processed:
             lp, rank = raw_lp, raw_rank
         elif all_processed:

@@ -30,7 +30,8 @@ Paths (``specsample.paths``):
   (``finish_kernel``, or the single launch's) writes them with the tokens, no launch of
   their own.
 * ``triton.logprobs.fused``: other logprobs (top-n up to ``logprobs.NPAD`` = 32): up to two
-  launches over the emitted positions only (``logprobs.py``), no [rows, V] buffer.
+  launches over the emitted positions only (``logprobs.py``; three for raw top-n when the
+  kernels process the rows), no [rows, V] buffer.
 * ``triton.logprobs.torch``: more than 32 top-n logprobs, top-n on the general path inside
   :func:`general_path` (but processed top-n with logit_bias or penalties), or
   ``verify_tree()``: the emitted rows are gathered and their log-distributions computed
@@ -828,7 +829,9 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     greedy and sampled requests mixed, with min_p / top_k / top_p (the fused filter kernel),
     with logit_bias and penalties applied in the kernels, and on the general path (float32
     processed logits), and sample() with raw and processed
-    logprobs on each of those paths (the logprob kernels), and the kernels of a device
+    logprobs on each of those paths (the logprob kernels), sample() and verify() with bans,
+    logit_bias or penalties and raw / processed logprobs (the logprob kernels that process
+    the rows), and the kernels of a device
     ``num_draft_tokens`` (``layout.warm``) and ``verify_tree()``'s walk (``tree.warm``), on
     ``device`` with vocabulary ``vocab_size`` (and ``draft_vocab_size``, default the same),
     and the calls that take the single launch (:func:`one_launch`) again with the separate

@@ -620,8 +620,8 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
     if RANK:
         n_top = tl.load(lp_n_ptr + req)
         if live & (n_top > 0):
-            rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, NT_SORT, NPAD,
-                       RANK == 2)
+            rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, cut_v, cut_i, NT_SORT,
+                       NPAD, RANK == 2)
     o = r.to(tl.int64) * 3
     tl.store(out_stats_ptr + o, m)
     tl.store(out_stats_ptr + o + 1, logz)

@@ -35,11 +35,9 @@ When the kernels apply bans, logit_bias and penalties (``penalties``; PEN), the 
 are of the processed rows z, and every value these kernels read is processed again where it
 is read (a tile by ``penalties.process``, a token by ``penalties.process_at``: the same
 float32 bits). With logit_bias or penalties processed top-n rank by z' = (z - m) / T as the
-PyTorch backend does (ZRANK; ``rank_tiles`` ranks the tiles by their z' maxima): the
-filters' dropped tokens are set to -inf before that division, only finite entries are
-candidates, and every -inf entry comes from the lowest ids. (One case can differ from the
-PyTorch backend: a dropped token whose distinct z rounds to the same z' as a survivor,
-with a lower id, at the top-n boundary; the tiles are ranked by their unfiltered maxima.)
+PyTorch backend does (ZRANK; ``rank_tiles`` ranks the tiles by the z' maxima of the
+filtered row): the filters' dropped tokens are set to -inf before that division, only
+finite entries are candidates, and every -inf entry comes from the lowest ids.
 Raw top-n rank the raw row, whose tile maxima the processed statistics do not give: the
 raw normaliser's pass writes them (RAWTOP) and ``raw_topn_kernel`` ranks and extracts
 them, one launch more.
@@ -60,6 +58,7 @@ from .launch import launch
 from .penalties import process, process_at, setup
 
 BLOCK_TILE = rng.TILE
+TILE_C = tl.constexpr(BLOCK_TILE)
 NPAD = MAX_FUSED_TOP_N  # most top-n logprobs per request on this path (more: PyTorch code)
 CAND = NPAD * (NPAD + 1) // 2  # candidates per position: n(n+1)/2 at most
 S_MAX = 32  # most vocabulary splits per row for the raw normaliser
@@ -87,18 +86,22 @@ def _unkey(k):
 
 
 @triton.jit
-def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, NT_SORT: tl.constexpr,
-               NPAD: tl.constexpr, ZRANK: tl.constexpr):
+def rank_tiles(tiletop_ptr, r, NT, rank_ptr, count_ptr, m, t, cut_v, cut_i,
+               NT_SORT: tl.constexpr, NPAD: tl.constexpr, ZRANK: tl.constexpr):
     """Row ``r``'s NPAD best tiles by (maximum desc, tile asc) as keys (``_key`` of (maximum,
     tile), EMPTY past the row's tiles) into rank[r], and its candidate count reset to 0.
-    ZRANK: the maxima as the row's z' = (z - m) / t (``m`` its maximum, ``t`` its
-    temperature, 1 for greedy rows; IEEE division, as PyTorch's), the values processed top-n
-    rank by when the batch sets logit_bias or penalties."""
+    ZRANK: the maxima of the row as processed top-n rank it when the batch sets logit_bias or
+    penalties: a tile whose maximum the filters' cut (cut_v, cut_i) drops is all dropped and
+    ranks at -inf (the tile that holds id cut_i keeps its maximum: token cut_i is kept at
+    cut_v), and the others as z' = (z - m) / t (``m`` the row's maximum, ``t`` its
+    temperature, 1 for greedy rows; IEEE division, as PyTorch's). So the tiles rank by the
+    maxima of the filtered row in z', the order the candidates are extracted in."""
     t_idx = tl.arange(0, NT_SORT)
     tops = tl.load(tiletop_ptr + r.to(tl.int64) * NT + t_idx, mask=t_idx < NT,
                    other=-float("inf"))
     if ZRANK:
-        tops = tl.div_rn(tops - m, t)
+        gone = (tops < cut_v) | ((tops == cut_v) & (t_idx * TILE_C > cut_i))
+        tops = tl.div_rn(tl.where(gone, -float("inf"), tops) - m, t)
     srt = tl.sort(tl.where(t_idx < NT, _key(tops, t_idx), EMPTY), descending=True)
     tl.store(rank_ptr + r.to(tl.int64) * NPAD + t_idx, srt, mask=t_idx < NPAD)
     tl.store(count_ptr + r, 0)
