@@ -79,7 +79,7 @@ def variant(kernel, constexprs, **pointer_types):
     return compile_pool.Variant(kernel.fn.__module__, kernel.fn.__name__, data)
 
 
-partial = dict(GENERAL=False, NPAD=32, CAND=528, BLOCK=2048)
+partial = dict(GENERAL=False, PEN=0, ZRANK=False, RAWTOP=False, NPAD=32, CAND=528, BLOCK=2048)
 good = variant(logprobs.topn_partial_kernel, partial)
 # the atomic count of a float32 pointer added to an address: the real compiler refuses it
 bad = variant(logprobs.topn_partial_kernel, partial, count_ptr="*fp32")

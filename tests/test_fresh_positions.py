@@ -219,9 +219,9 @@ def test_uncapturable_paths_refuse_inside_capture(monkeypatch, case):
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch" if case == "torch" else "triton")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    # (logit_bias and bans run in the kernels and capture, with top_k too; with logprobs it
-    # is the general path)
-    extra = ({"logit_bias": {1: 0.5}, "top_k": 3, "bad_words_token_ids": [[2]], "logprobs": 1}
+    # (logit_bias and bans run in the kernels and capture, with top_k and logprobs too; with
+    # more than 32 top-n logprobs it is the general path)
+    extra = ({"logit_bias": {1: 0.5}, "top_k": 3, "bad_words_token_ids": [[2]], "logprobs": 33}
              if case == "general" else {})
     batch = SamplingBatch.from_params([SamplingParams(seed=1, **extra)], vocab_size=8)
     match = "general path" if case == "general" else "torch backend"

@@ -25,8 +25,6 @@ from test_triton_backend import DEVICE, _case, run_both  # noqa: E402
 
 MIXED = [(None, "raw"), (0, "raw"), (3, "processed"), (5, "raw"), (0, "processed"),
          (2, "raw"), (1, "processed")]
-MIXED_GENERAL = [(None, "raw"), (0, "raw"), (3, "processed"), (20, "processed"), (0, "processed"),
-                 (1, "processed")]
 
 
 def _with_logprobs(batch: SamplingBatch, lps, vocab: int) -> SamplingBatch:
@@ -85,10 +83,6 @@ def test_matches_torch_backend(kind, method, processors, dtype, vocab):
     _assert_same(out, ref)
     if processors is True:  # (raw top-n with the processing in the kernels: raw_topn_kernel)
         assert "triton.processing.fused" in paths.counts()
-        batch = _with_logprobs(batch0, MIXED_GENERAL, vocab)
-        out, ref, path = _both(logits, d, ks, batch, pos, extra, method)
-        assert path == ["triton.logprobs.fused"]
-        _assert_same(out, ref)
 
 
 @pytest.mark.parametrize("kind,method,processors,dtype,vocab", [
@@ -356,11 +350,11 @@ def test_many_requests_with_placeholders():
 PROCESSED_MIX = [(None, "raw"), (0, "raw"), (3, "processed"), (20, "processed"),
                  (4, "raw"), (1, "processed"), (5, "processed")]
 PROCESSOR_SETS = {
-    "bias": dict(logit_bias={3: 2.5, 7: -1.0, 3999: 4.0}),
+    "bias": dict(logit_bias={3: 2.5, 7: -1.0, 2099: 4.0}),
     "penalties": dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3),
     "bans": dict(bad_words_token_ids=[[2, 11], [5]], min_tokens=5, stop_token_ids=[9]),
     # fewer tokens allowed than top-n asked: -inf entries, lowest ids first
-    "allowed": dict(allowed_token_ids=[4, 40, 400, 3000]),
+    "allowed": dict(allowed_token_ids=[4, 40, 400, 2090]),
     "bans+filters": dict(bad_words_token_ids=[[2, 11], [5]], top_k=6, min_p=0.02),
     "all+filters": dict(logit_bias={3: 2.5, 1: 3.0}, presence_penalty=0.4,
                         repetition_penalty=1.2, bad_words_token_ids=[[5]], top_k=9,
@@ -368,7 +362,7 @@ PROCESSOR_SETS = {
 }
 
 
-def _processed_case(seed, kind, name, vocab=4000, dtype=torch.bfloat16, lps=PROCESSED_MIX):
+def _processed_case(seed, kind, name, vocab=2100, dtype=torch.bfloat16, lps=PROCESSED_MIX):
     logits, d, ks, batch0, pos, extra = _case(seed, 7, vocab, dtype, kind)
     # the tokens the processors touch among the likeliest: in the top-n, often emitted
     logits[:, [1, 2, 3, 5, 7, 11]] += 4.0
@@ -399,7 +393,9 @@ def test_processors_with_logprobs_on_the_kernels(name, kind, method):
     if name == "allowed":  # 4 tokens allowed, 20 asked: the rest -inf from the lowest ids
         i = 3  # (processed, logprobs 20, allowed_token_ids)
         got = out.logprob_token_ids[i, 0].tolist()
-        assert sorted(got[1:5]) == [4, 40, 400, 3000] and got[5:8] == [0, 1, 2]
+        assert sorted(got[1:5]) == [4, 40, 400, 2090] and got[5:8] == [0, 1, 2]
+    if name not in ("bias", "all+filters"):
+        return
     # raw top-n alone, and more than 32 top-n (the general path), the same values
     for lps, general in (([(4, "raw"), (None, "raw")], False),
                          ([(33, "raw"), (2, "processed")], True)):

@@ -879,8 +879,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
     penalised_filtered = [[p, dataclasses.replace(q, top_k=5, top_p=0.9, min_p=0.01)]
                           for p, q in penalised]
     # logprobs with the processing in the kernels: processed top-n ranked by z' (logit_bias,
-    # penalties) or by z (bans alone), raw top-n (raw_topn_kernel) and logprobs = 0 in raw
-    # mode (the raw normaliser)
+    # penalties) or by z (bans alone), and raw top-n (raw_topn_kernel; a raw logprobs = 0
+    # launches the same kernels without it)
     bans_only = [SamplingParams(temperature=0.0, bad_words_token_ids=[[1]]),
                  SamplingParams(temperature=0.8, seed=1, min_tokens=2, stop_token_ids=[4])]
     processed_lp = [[dataclasses.replace(p, logprobs=n_top, logprobs_mode=mode)
@@ -888,8 +888,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                     for plist in (*penalised, bans_only, *penalised_filtered,
                                   [bans_only[0], dataclasses.replace(bans_only[1], top_k=5)])
                     for n_top, modes in ((2, ("processed", "processed")),
-                                         (2, ("raw", "processed")),
-                                         (0, ("raw", "processed")))]
+                                         (2, ("raw", "processed")))]
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     k = [2, 1]
 
