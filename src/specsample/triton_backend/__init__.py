@@ -730,7 +730,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             num_accepted, invalid, ranking, _splits(n, plan.vocab_size, 1, dev)[0], warps,
             4 * _num_programs_target(dev),
             pen=(_pen_kind(plan, pen), pen_args[:9] + (draft_ids, plan.draft_start)
-                 + pen_args[9:]) if pen else None)
+                 + pen_args[9:]))
     elif batch.max_logprobs >= 0:
         paths.record("triton.logprobs.torch", rows)
         j = torch.arange(k + 1, device=dev)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import rng
-from .logprobs import rank_tiles
+from .logprobs import _survives, rank_tiles
 from .penalties import ban, ban_setup, process, process_at, setup
 
 STREAM_SAMPLE = tl.constexpr(rng.STREAM_SAMPLE)
@@ -360,13 +360,6 @@ def _draft_stats(dstats_ptr, dr, live):
     dlogz = tl.load(dstats_ptr + o + 1, mask=live, other=-float("inf"))
     dflags = tl.load(dstats_ptr + o + 2, mask=live, other=0.0).to(tl.int32)
     return dm, dlogz, dflags
-
-
-@triton.jit
-def _survives(x, offs, cut_v, cut_i):
-    """The filters' survivors (the cut of ``filters.select_kernel``): a prefix of the row in
-    rank order, up to the token (cut_v, cut_i). Unfiltered rows have cut (-inf, INT_MAX)."""
-    return (x > cut_v) | ((x == cut_v) & (offs <= cut_i))
 
 
 @triton.jit

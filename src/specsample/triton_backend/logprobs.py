@@ -134,8 +134,9 @@ def _position(p, K1, num_acc_ptr, invalid_ptr, row_start_ptr, lp_n_ptr, lp_proc_
 
 @triton.jit
 def _survives(x, ids, cut_v, cut_i):
-    """Whether values ``x`` at ``ids`` are in the filters' kept set (a prefix of the rank
-    order, ending at (cut_v, cut_i))."""
+    """Whether values ``x`` at ``ids`` are among the filters' survivors (the cut of
+    ``filters.select_kernel``): a prefix of the row in rank order, up to the token (cut_v,
+    cut_i). Unfiltered rows have cut (-inf, INT_MAX)."""
     return (x > cut_v) | ((x == cut_v) & (ids <= cut_i))
 
 
@@ -459,7 +460,7 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
                      stats: torch.Tensor, filtered: bool, general: bool, cut_v: torch.Tensor,
                      cut_i: torch.Tensor, token_ids: torch.Tensor, num_accepted: torch.Tensor,
                      invalid: torch.Tensor, ranking: tuple[torch.Tensor, torch.Tensor] | None,
-                     splits: int, num_warps: int, programs: int, pen: tuple | None = None
+                     splits: int, num_warps: int, programs: int, pen: tuple
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs [N, K+1, 1+n] float32 and their ids int64 (semantics.md, Outputs).
 
@@ -471,9 +472,10 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     ``draw_rows``;
     ``token_ids`` [N, K+1] int64, ``num_accepted`` [N] int64, ``invalid`` [N] bool: the final
     outputs; ``splits``: the raw normaliser's vocabulary splits per row (at most S_MAX);
-    ``programs``: about how many programs the top-n extraction spreads over. ``pen``: when the
-    kernels processed the rows (``fused_processing``; ``proc`` is then ``raw``), (their PEN
-    kind, the kernels' ``penalties`` tuple): the processed values are made again where read,
+    ``programs``: about how many programs the top-n extraction spreads over. ``pen``: (the
+    kernels' PEN kind, their ``penalties`` tuple, placeholders with kind 0); when the kernels
+    processed the rows (``fused_processing``; ``proc`` is then ``raw``) the processed values
+    are made again where read,
     processed top-n rank by z' when the batch sets logit_bias or penalties, and raw top-n
     rank the raw tiles' maxima (``raw_topn_kernel``, one launch more). No host
     synchronisation.
@@ -497,23 +499,19 @@ def emitted_logprobs(plan: Plan, raw: torch.Tensor, proc: torch.Tensor, temp: to
     rank, count = ranking if ranking is not None else (cand, cand.view(torch.int32))
     common = (num_accepted, invalid.view(torch.uint8), plan.row_start, batch.logprobs_n,
               batch.logprobs_processed.view(torch.uint8), temp, cut_v, cut_i, stats)
-    if pen is None:  # (placeholders of the same types, never read)
-        pen_kind, zrank = 0, False
-        f32, i64, u8 = temp, plan.row_start, batch.logprobs_processed.view(torch.uint8)
-        pen_args = (f32, f32, f32, f32, u8, 0, i64, i64, f32, i64, i64, i64, 0, 1,
-                    batch.allowed_slot, u8, 0)
-        options = {}
-    else:
-        (pen_kind, pen_args), zrank = pen, ranks_by_z_prime(batch)
-        options = {"enable_fp_fusion": False}  # (the float32 steps of penalties.process)
-    flags = dict(GENERAL=general or pen is not None, PEN=pen_kind, ZRANK=zrank, **options)
+    pen_kind, pen_args = pen
+    zrank = bool(pen_kind) and ranks_by_z_prime(batch)
+    # (the float32 steps of penalties.process)
+    options = {"enable_fp_fusion": False} if pen_kind else {}
+    processed = general or bool(pen_kind)  # (the statistics are never the raw row's)
+    flags = dict(GENERAL=processed, PEN=pen_kind, ZRANK=zrank, **options)
     # the raw normaliser, where the sampling statistics are not the raw row's
-    need_full = _needs_raw_normaliser(plan, general or pen is not None, filtered)
+    need_full = _needs_raw_normaliser(plan, processed, filtered)
     # ranks per program: about `programs` programs in all (most positions are not emitted)
     g = min(n_max, max(1, math.ceil(programs / p)))
     q = max(g, s if need_full else 0)
     # raw top-n with the processing in the kernels: the raw tiles' maxima, their own ranking
-    raw_top = pen is not None and any(
+    raw_top = bool(pen_kind) and any(
         p_.logprobs_mode == "raw" and (p_.logprobs or 0) > 0 for p_ in batch.params)
     rawtop = workspace.scratch("logprobs.rawtop", (p, nt), torch.float32, dev) if raw_top else pm
     warps = 4 if num_warps > 1 else 1
