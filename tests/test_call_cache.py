@@ -87,10 +87,7 @@ def test_allocations_are_made_again():
     def with_full(x):
         out, _ = fn(x)
         marker = torch.full((3,), -1.0)  # (a fresh allocation the call returns)
-        rec = call_cache.recording()
-        if rec is not None:  # "a kernel" adds out[0] to it
-            rec.launch(_add_kernel, (1, 1, 1), 0, 0, (), (out, marker), [0, 0], ())
-        _add_kernel(1, 1, 1, 0, 0, out.data_ptr(), marker.data_ptr())
+        _add(out, marker)
         return out, marker
 
     paths.reset()
@@ -107,6 +104,46 @@ def _add_kernel(g0, g1, g2, stream, function, src, dst):
     a = ctypes.c_float.from_address(src)
     b = ctypes.c_float.from_address(dst)
     b.value = b.value + a.value
+
+
+def _add(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """"A kernel" that adds src[0] to dst[0], recorded when a recording is on."""
+    rec = call_cache.recording()
+    if rec is not None:
+        rec.launch(_add_kernel, (1, 1, 1), 0, 0, (), (src, dst),
+                   [src.data_ptr(), dst.data_ptr()], ())
+    _add_kernel(1, 1, 1, 0, 0, src.data_ptr(), dst.data_ptr())
+
+
+def test_a_result_that_outlives_the_call_is_returned_by_every_replay():
+    """A long-lived result (as the workspace's error bits): each replay's launch writes it and
+    the replay hands back that same tensor."""
+    batch, fn, bits = _batch(), _Call(torch.zeros(4)), torch.zeros(2)
+
+    def with_bits(x):
+        out, _ = fn(x)
+        _add(out, bits)
+        return out, bits
+
+    paths.reset()
+    for step in range(5):
+        x = torch.arange(10, dtype=torch.float32) + step
+        out, got = call_cache.run((("k",), [x]), batch, lambda x=x: with_bits(x))
+        assert got is bits and torch.equal(out, x)
+        assert bits[0].item() == sum(range(step + 1))  # (written by every call, replays too)
+    assert paths.counts()["host.replay"]["calls"] == 2
+
+
+def test_a_result_viewing_an_input_is_refused():
+    batch, fn = _batch(), _Call(torch.zeros(4))
+    paths.reset()
+    for step in range(4):
+        x = torch.arange(10, dtype=torch.float32) + step
+        out, view = call_cache.run((("k",), [x]), batch, lambda x=x: (fn(x)[0], x[1:]))
+        assert torch.equal(view, x[1:]) and torch.equal(out, x)
+    counts = paths.counts()
+    assert counts["host.replay_refused.result_not_fresh"]["calls"] == 1
+    assert "host.replay" not in counts
 
 
 def test_an_operation_refuses_the_key_for_good():

@@ -316,8 +316,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
         _raise_if_invalid(err)
     lp = None if out.logprobs is None else out.logprobs[:, 0]
     lp_ids = None if out.logprob_token_ids is None else out.logprob_token_ids[:, 0]
-    return SampleOutput(token_ids=out.token_ids[:, 0], logprobs=lp, logprob_token_ids=lp_ids,
-                        invalid=out.invalid)
+    tok = out.token_ids  # ([N] from the Triton backend, [N, 1] from the torch backend)
+    return SampleOutput(token_ids=tok if tok.dim() == 1 else tok[:, 0], logprobs=lp,
+                        logprob_token_ids=lp_ids, invalid=out.invalid)
 
 
 def verify(

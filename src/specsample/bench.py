@@ -448,21 +448,24 @@ def time_us(fn: Callable[[], object], device: torch.device, *, warmup_ms: int, r
     return 1e6 * statistics.median(times)
 
 
-def host_us(fn: Callable[[], object], device: torch.device, calls: int = 50) -> float | None:
-    """Median host time of one call in microseconds on CUDA (None elsewhere): the Python work
-    and kernel launches until ``fn`` returns, the device idle before each call (synchronised),
-    so no call waits for an earlier one's kernels. The host overhead an engine pays per eager
-    call; compare with eager minus graph-replay time."""
+def host_us(fn: Callable[[], object], device: torch.device,
+            calls: int = 50) -> tuple[float | None, float | None]:
+    """Median host time of one call in microseconds on CUDA ((None, None) elsewhere): the
+    Python work and kernel launches until ``fn`` returns, the device idle before each call
+    (synchronised), so no call waits for an earlier one's kernels. Returns (wall-clock time,
+    the calling thread's CPU time): the host overhead an engine pays per eager call; compare
+    with eager minus graph-replay time."""
     if not _cuda(device):
-        return None
-    times = []
+        return None, None
+    wall, cpu = [], []
     for _ in range(calls):
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(wall), 1e6 * statistics.median(cpu)
 
 
 def logprob_baseline(case: Case, inp: Inputs) -> Callable[[], object] | None:
@@ -572,7 +575,8 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
     record the paths it ran. Errors (a forbidden path, a failed capture) are recorded, not
     raised. The first eager call's output is kept under "output" for acceptance statistics."""
     fn = make_call(case, inp, variant)
-    res: dict = {"eager_us": None, "graph_us": None, "host_us": None, "peak_temp_mib": None,
+    res: dict = {"eager_us": None, "graph_us": None, "host_us": None, "host_cpu_us": None,
+                 "peak_temp_mib": None,
                  "paths": {},
                  "error": None, "graph_error": None, "filter_serial_rows": None,
                  "filter_histogram_rows": None}
@@ -593,7 +597,7 @@ def measure_variant(case: Case, inp: Inputs, variant: str, cfg: Settings) -> dic
             res["peak_temp_mib"] = peak_temp_mib(fn, cfg.device)
             res["eager_us"] = time_us(fn, cfg.device, warmup_ms=cfg.warmup_ms,
                                       rep_ms=cfg.rep_ms, cpu_repeats=cfg.cpu_repeats)
-            res["host_us"] = host_us(fn, cfg.device)
+            res["host_us"], res["host_cpu_us"] = host_us(fn, cfg.device)
         except Exception as exc:  # recorded in the report; the other cases still run
             res["error"] = f"{type(exc).__name__}: {exc}"
         if res["error"] is None and cfg.graphs:
@@ -760,7 +764,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def format_table(results: list[dict]) -> str:
     """A plain-text table: one line per case, times in us, ratios, memory and targets."""
-    head = ("case", "floor", "eager", "graph", "host", "x floor", "unf eager", "unf graph",
+    head = ("case", "floor", "eager", "graph", "host", "cpu", "x floor", "unf eager", "unf graph",
             "speedup", "base graph", "MiB", "acc", "targets")
     rows = [head]
     for r in results:
@@ -772,7 +776,7 @@ def format_table(results: list[dict]) -> str:
         else:
             verdict = ""
         rows.append((r["case"], _fmt(r["floor_target_us"]), _fmt(f["eager_us"]),
-                     _fmt(f["graph_us"]), _fmt(f.get("host_us")),
+                     _fmt(f["graph_us"]), _fmt(f.get("host_us")), _fmt(f.get("host_cpu_us")),
                      _fmt(r["ratio_to_floor"], ".2f"), _fmt(u.get("eager_us")),
                      _fmt(u.get("graph_us")), _fmt(r["speedup_vs_unfused"], ".2f"),
                      _fmt(best_us(b) if b else None), _fmt(f["peak_temp_mib"], ".3f"),

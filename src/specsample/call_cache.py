@@ -17,8 +17,9 @@ the device, stream, thread and the settings that change launches). Per key:
    is kept only when the call was nothing but launches, allocations (``torch.empty`` /
    ``full`` / ``zeros``) and views, when every tensor a launch reads is an input (or a view
    of one), one of those fresh allocations, or a tensor that outlives the call (the
-   batch's, the workspace's, the cached row layout; the entry keeps a reference), and when
-   the two recordings agree;
+   batch's, the workspace's, the cached row layout; the entry keeps a reference), when each
+   result is one of those allocations or a tensor that outlives the call (returned again by
+   every replay: the workspace's error bits), and when the two recordings agree;
 3. later calls replay: the path counts (so :func:`specsample.paths.forbid` still raises
    before any work), the allocations made again, then each launch with the new input and
    output addresses. Path ``host.replay`` counts them.
@@ -144,6 +145,10 @@ class _Ops(TorchDispatchMode):
                    for k, v in kwargs.items()):
                 self.rec.fail(f"alloc.{func}")
             self.allocs.append(out)
+            if make is torch.empty:
+                # (made again by torch.empty_strided, with the strides it got: 1 us less per
+                # tensor than torch.empty on an H100 host)
+                make, args = torch.empty_strided, (tuple(out.shape), out.stride())
             self.specs.append((make, tuple(tuple(a) if isinstance(a, list) else a
                                            for a in args), out.dtype, out.device))
         elif func not in _VIEW_OPS:
@@ -271,6 +276,22 @@ class _Entry:
                 and self.results == other.results and self.launches == other.launches)
 
 
+class _Kept:
+    """A result that outlives the call: the same tensor at every replay (compared by its
+    address, shape, strides and dtype)."""
+
+    __slots__ = ("tensor", "sig")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.sig = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Kept and self.sig == other.sig
+
+    __hash__ = None
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -320,7 +341,12 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
                 results.append(j)
                 break
         else:
-            return "result_not_fresh"
+            if by_storage.get(_storage(t)) is not None or _storage(t) in owned:
+                return "result_not_fresh"  # (a view of an allocation or input, a batch tensor)
+            # A tensor that outlives the call (the workspace's error bits, which the API reads
+            # right after the call): every replay returns it, the launches write it.
+            keep.append(t.untyped_storage())
+            results.append(_Kept(t))
     spec = tuple(ops.specs)
     counted = (*rec.paths, ("host.replay", rows))
     # The batch's tensors with their addresses: a replay checks them (``t.data = ...`` or
@@ -342,7 +368,8 @@ def _replay(entry: _Entry, inputs: list) -> list:
         for pos, src, delta in slots:
             values[pos] = ptrs[src] + delta
         run(g0, g1, g2, stream, function, *values)
-    return [None if j is None else allocs[j] for j in entry.results]
+    return [None if j is None else allocs[j] if type(j) is int else j.tensor
+            for j in entry.results]
 
 
 _LOCK = threading.Lock()  # (dropping a batch's oldest key)

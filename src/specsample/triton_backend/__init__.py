@@ -573,8 +573,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     the fused path (temperature, the filters, and logit_bias / penalties where
     :func:`fused_processing` says so), or the general path (:func:`route`).
 
-    Returns (VerifyOutput, the [N] int64 error bitmask). No host synchronisation on the fused
-    path.
+    Returns (VerifyOutput, the [N] int64 error bitmask); for sample, its ``token_ids`` are
+    [N] and its ``num_accepted`` a workspace tensor. No host synchronisation on the fused
+    path. The bitmask is a workspace tensor (``workspace.scratch``) on the fused path: read
+    it before the next call on the same stream and thread rewrites it.
     """
     batch = plan.batch
     dev = plan.logits.device
@@ -597,9 +599,18 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
                  else workspace.zeros((1,), torch.int64, dev))  # (read by no kernel)
     pen_args = _pen_args(plan, pen, draft_ids)
     fused_logprobs = batch.max_logprobs >= 0 and logprobs_kernels.supported(plan, general)
-    token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
-    err = torch.empty(n, dtype=torch.int64, device=dev)
+    if op == "sample":
+        # sample() returns the [N] tokens (allocated as such, so that a replayed call returns
+        # them without a view) and never num_accepted: scratch
+        sampled = torch.empty(n, dtype=torch.int64, device=dev)
+        token_ids = sampled.view(n, 1)
+        num_accepted = workspace.scratch("sample.num_accepted", (n,), torch.int64, dev)
+    else:
+        token_ids = torch.empty(n, k + 1, dtype=torch.int64, device=dev)
+        num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    # (the error bits are read only by the API's strict check, right after the call on the
+    # same stream, before any later call's kernels: scratch, one allocation fewer per call)
+    err = workspace.scratch("err", (n,), torch.int64, dev)
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
     # logprobs = 0 for everyone, from the statistics alone: the finish writes them with the
@@ -739,7 +750,8 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         processed = stats_logprobs(x, plan, temp, stats, filtered, cut_v, cut_i,
                                    exact_rank_rows(plan, general))
         logprobs, logprob_ids = emitted_logprobs(plan, processed, grid, token_ids, emitted)
-    out = VerifyOutput(token_ids=token_ids, num_accepted=num_accepted, logprobs=logprobs,
+    out = VerifyOutput(token_ids=token_ids.view(n) if op == "sample" else token_ids,
+                       num_accepted=num_accepted, logprobs=logprobs,
                        logprob_token_ids=logprob_ids, invalid=invalid)
     return out, err
 
