@@ -128,10 +128,16 @@ def test_a_result_that_outlives_the_call_is_returned_by_every_replay():
     paths.reset()
     for step in range(5):
         x = torch.arange(10, dtype=torch.float32) + step
-        out, got = call_cache.run((("k",), [x]), batch, lambda x=x: with_bits(x))
+        out, got = call_cache.run((("k",), [x]), batch, lambda x=x: with_bits(x), kept=(1,))
         assert got is bits and torch.equal(out, x)
         assert bits[0].item() == sum(range(step + 1))  # (written by every call, replays too)
     assert paths.counts()["host.replay"]["calls"] == 2
+    # Where the caller does not allow it (a user-visible output), such a result is refused.
+    other = _batch()
+    for step in range(3):
+        x = torch.arange(10, dtype=torch.float32)
+        call_cache.run((("k",), [x]), other, lambda x=x: with_bits(x))
+    assert paths.counts()["host.replay_refused.result_not_fresh"]["calls"] == 1
 
 
 def test_a_result_viewing_an_input_is_refused():

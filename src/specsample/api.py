@@ -311,7 +311,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
 
     keyed = call_cache.call_key("sample", logits, batch, None, None, None, None, positions,
                                 "token", None)
-    out, err = _unflat(call_cache.run(keyed, batch, call))
+    # (the error bits and the unused accepted counts may be the backend's workspace tensors)
+    out, err = _unflat(call_cache.run(keyed, batch, call, kept=(1, 5)))
     if strict:
         _raise_if_invalid(err)
     lp = None if out.logprobs is None else out.logprobs[:, 0]
@@ -401,7 +402,7 @@ def verify(
     keyed = call_cache.call_key("verify", target_logits, batch, draft_token_ids,
                                 num_draft_tokens, draft_logits, draft_probs, positions, method,
                                 max_num_draft_tokens)
-    out, err = _unflat(call_cache.run(keyed, batch, call))
+    out, err = _unflat(call_cache.run(keyed, batch, call, kept=(5,)))  # (err)
     if strict:
         _raise_if_invalid(err)
     return out

@@ -27,9 +27,11 @@ Protocol (the reference measurement of docs/design.md):
   allocated before it (inputs excluded, outputs included).
 * Host time (column ``host``, CUDA only): the median wall time of one eager call until it
   returns, with the device idle before it: the Python work and launches an engine pays per
-  call (compare with eager minus graph replay). The harness repeats each call with the same
-  batch and inputs, so eager calls are replayed (``specsample.call_cache``) as an engine's
-  steps are; run with ``SPECSAMPLE_CALL_CACHE=0`` for the host time without replay.
+  call (compare with eager minus graph replay); column ``cpu`` (``host_cpu_us`` in
+  bench.json): the calling thread's CPU time in the same calls. The harness repeats each
+  call with the same batch and inputs, so eager calls are replayed
+  (``specsample.call_cache``) as an engine's steps are; run with ``SPECSAMPLE_CALL_CACHE=0``
+  for the host time without replay.
 
 Extra cases: ``--block`` adds token-level verification with draft probabilities and block
 verification with draft logits and draft probabilities; ``--draft-counts varying,device`` adds

@@ -18,8 +18,9 @@ the device, stream, thread and the settings that change launches). Per key:
    ``full`` / ``zeros``) and views, when every tensor a launch reads is an input (or a view
    of one), one of those fresh allocations, or a tensor that outlives the call (the
    batch's, the workspace's, the cached row layout; the entry keeps a reference), when each
-   result is one of those allocations or a tensor that outlives the call (returned again by
-   every replay: the workspace's error bits), and when the two recordings agree;
+   result is one of those allocations (or, where the caller allows it, a tensor that outlives
+   the call, returned again by every replay: the workspace's error bits and sample()'s
+   unused accepted counts), and when the two recordings agree;
 3. later calls replay: the path counts (so :func:`specsample.paths.forbid` still raises
    before any work), the allocations made again, then each launch with the new input and
    output addresses. Path ``host.replay`` counts them.
@@ -297,8 +298,9 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
-                 rows: int) -> _Entry | str:
-    """The entry of a finished recording, or the reason it cannot replay."""
+                 rows: int, kept: tuple[int, ...]) -> _Entry | str:
+    """The entry of a finished recording, or the reason it cannot replay. ``kept``: the
+    positions in ``result`` that may hold a tensor outliving the call."""
     if rec.failure is not None:
         return rec.failure
     if not rec.launches:
@@ -331,7 +333,7 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
             full[len(head) + pos] = None
         launches.append((run, *grid, stream, function, tuple(slots), full))
     results = []
-    for t in result:
+    for pos, t in enumerate(result):
         if t is None:
             results.append(None)
             continue
@@ -341,10 +343,13 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
                 results.append(j)
                 break
         else:
-            if by_storage.get(_storage(t)) is not None or _storage(t) in owned:
-                return "result_not_fresh"  # (a view of an allocation or input, a batch tensor)
-            # A tensor that outlives the call (the workspace's error bits, which the API reads
-            # right after the call): every replay returns it, the launches write it.
+            if (pos not in kept or by_storage.get(_storage(t)) is not None
+                    or _storage(t) in owned):
+                # (a user-visible output must be fresh; no view of an input or allocation, no
+                # batch tensor)
+                return "result_not_fresh"
+            # A backend-internal result that outlives the call (the workspace's error bits,
+            # which the API reads right after the call): every replay returns it again.
             keep.append(t.untyped_storage())
             results.append(_Kept(t))
     spec = tuple(ops.specs)
@@ -402,9 +407,13 @@ def forget(batch) -> None:
 workspace.on_release(_CALLS.clear)
 
 
-def run(keyed: tuple | None, batch, call: Callable[[], tuple]) -> tuple:
+def run(keyed: tuple | None, batch, call: Callable[[], tuple],
+        kept: tuple[int, ...] = ()) -> tuple:
     """``call()`` (which returns a tuple of tensors or None), through the cache of ``batch``
-    under ``keyed`` (:func:`call_key`'s result; None runs ``call`` as usual)."""
+    under ``keyed`` (:func:`call_key`'s result; None runs ``call`` as usual). ``kept``: the
+    positions of results the caller reads before its next call and never hands on, which may
+    be tensors that outlive the call (returned again by every replay); every other result
+    must be a fresh allocation."""
     if keyed is None:
         return call()
     key, inputs = keyed
@@ -434,7 +443,7 @@ def run(keyed: tuple | None, batch, call: Callable[[], tuple]) -> tuple:
     finally:
         _RECORDING.reset(token)
         paths.recording.reset(ptoken)
-    entry = _build_entry(rec, ops, inputs, batch, result, rows)
+    entry = _build_entry(rec, ops, inputs, batch, result, rows, kept)
     if type(entry) is str or (state is not _SEEN and not entry.same_as(state.entry)):
         calls[key] = _REFUSED
         paths.record(f"host.replay_refused.{entry if type(entry) is str else 'unstable'}",

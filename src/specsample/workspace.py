@@ -142,7 +142,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
     thread get their own buffers (the buffers of :data:`SCRATCH_STREAMS` streams per thread
     are kept). While the current stream captures a CUDA graph: a new tensor (the graph's
     memory pool keeps it for the graph). So two live tensors of one call must use two names,
-    and a result handed to the caller must never be one of these.
+    and a result handed to the caller must never be one of these (the Triton backend's error
+    bits are one: only the API reads them, right after the call).
     """
     cap, caches = _state(device)
     if cap:

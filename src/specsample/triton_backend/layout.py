@@ -167,7 +167,7 @@ def mark_kernel(layout_err_ptr, token_ids_ptr, W, num_accepted_ptr, invalid_ptr,
 
 
 def mark_layout_errors(out, err: torch.Tensor, layout_err: torch.Tensor):
-    """``api._mark_layout_errors`` in one launch, in place on the backend's fresh outputs
+    """``api._mark_layout_errors`` in one launch, in place on the backend's outputs
     (``out`` a VerifyOutput: token_ids [N, W] int64, num_accepted [N] int64, invalid [N]
     bool, logprobs [N, W, L] float32 and their int64 ids, or None; ``err`` [N] int64).
     Returns (out, err), with contiguous copies where a tensor was not contiguous."""
