@@ -134,7 +134,7 @@ def test_a_result_that_outlives_the_call_is_returned_by_every_replay():
     assert paths.counts()["host.replay"]["calls"] == 2
     # Where the caller does not allow it (a user-visible output), such a result is refused.
     other = _batch()
-    for step in range(3):
+    for _ in range(3):
         x = torch.arange(10, dtype=torch.float32)
         call_cache.run((("k",), [x]), other, lambda x=x: with_bits(x))
     assert paths.counts()["host.replay_refused.result_not_fresh"]["calls"] == 1
