@@ -132,6 +132,14 @@ def test_a_result_that_outlives_the_call_is_returned_by_every_replay():
         assert got is bits and torch.equal(out, x)
         assert bits[0].item() == sum(range(step + 1))  # (written by every call, replays too)
     assert paths.counts()["host.replay"]["calls"] == 2
+    # Given new memory, the kept result is no longer what the launches write: the key
+    # records again (the call runs as usual and writes the new memory).
+    bits.data = torch.full((2,), -7.0)
+    for step in range(5, 8):
+        x = torch.arange(10, dtype=torch.float32) + step
+        _, got = call_cache.run((("k",), [x]), batch, lambda x=x: with_bits(x), kept=(1,))
+        assert got is bits and bits[0].item() == -7.0 + sum(range(5, step + 1))
+    assert paths.counts()["host.replay"]["calls"] == 2  # (a first call, two recordings)
     # Where the caller does not allow it (a user-visible output), such a result is refused.
     other = _batch()
     for _ in range(3):

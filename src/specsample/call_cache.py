@@ -268,7 +268,8 @@ class _Entry:
         self.results, self.keep, self.checks = results, keep, checks
 
     def still_valid(self) -> bool:
-        """Whether the batch's tensors that the launches read still have their addresses."""
+        """Whether the batch's tensors that the launches read, and the kept results, still
+        have their addresses."""
         return all(t.data_ptr() == p for t, p in self.checks)
 
     def same_as(self, other: _Entry) -> bool:
@@ -354,10 +355,13 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
             results.append(_Kept(t))
     spec = tuple(ops.specs)
     counted = (*rec.paths, ("host.replay", rows))
-    # The batch's tensors with their addresses: a replay checks them (``t.data = ...`` or
-    # ``t.set_(...)`` gives a tensor new memory without setting the batch's attribute).
+    # The batch's tensors with their addresses, and the kept results: a replay checks them
+    # (``t.data = ...`` or ``t.set_(...)`` gives a tensor new memory without setting the
+    # batch's attribute; a kept result so moved would be returned with memory no launch
+    # writes).
     read = {_storage(a) for lc in rec.launches for a in lc[5] if isinstance(a, torch.Tensor)}
-    checks = tuple((v, v.data_ptr()) for v in fields if _storage(v) in read)
+    checks = tuple((v, v.data_ptr()) for v in fields if _storage(v) in read) + tuple(
+        (r.tensor, r.tensor.data_ptr()) for r in results if type(r) is _Kept)
     return _Entry(spec, launches, counted, tuple(results), keep, checks)
 
 
