@@ -291,8 +291,6 @@ class _Kept:
     def __eq__(self, other) -> bool:
         return type(other) is _Kept and self.sig == other.sig
 
-    __hash__ = None
-
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
@@ -350,8 +348,8 @@ def _build_entry(rec: _Recording, ops: _Ops, inputs: list, batch, result: tuple,
                 # batch tensor)
                 return "result_not_fresh"
             # A backend-internal result that outlives the call (the workspace's error bits,
-            # which the API reads right after the call): every replay returns it again.
-            keep.append(t.untyped_storage())
+            # which the API reads right after the call): every replay returns it again (the
+            # entry holds the tensor, and checks its address).
             results.append(_Kept(t))
     spec = tuple(ops.specs)
     counted = (*rec.paths, ("host.replay", rows))
