@@ -167,6 +167,7 @@ def test_cache_keys_do_not_depend_on_the_order_kernels_are_first_compiled():
 
 
 FLOW = PREAMBLE + r'''
+import hashlib
 import torch, triton
 from triton.runtime import driver
 
@@ -226,12 +227,25 @@ for v in variants:
         pick.append(v)
 out.update(variants=len(variants), workers=compile_pool.compile_variants(pick, TARGET, 2))
 real = triton.compiler.compile
+misses = []
 
 
 def launch_compile(src, target=None, options=None, _env_vars=None):
-    # the launching process's own lookup, for the picked kernels (a hit loads, no compile)
+    # the launching process's own lookup, for the picked kernels: a hit loads (no compile);
+    # a miss (their other variants, which the workers did not compile) is only noted, since
+    # compiling it here would cost seconds and tell nothing
     if src.fn.__name__ in seen:
-        real(src, target=target, options=options)
+        from triton.compiler.compiler import (get_cache_invalidating_env_vars, get_cache_key,
+                                              get_cache_manager, make_backend)
+        backend = make_backend(target or TARGET)
+        opts = backend.parse_options(dict(options or {}, **src.parse_options()))
+        key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        if f"{src.name[:150]}.json" in (get_cache_manager(digest).get_group(
+                f"{src.name[:150]}.json") or {}):
+            real(src, target=target, options=options)
+        else:
+            misses.append(src.fn.__name__)
     return Kernel()
 
 
@@ -241,7 +255,7 @@ for k in compile_pool._package_kernels():
         entry[0].clear()
 with compile_pool.count_compiles() as counts:
     calls()
-out["loaded"], out["compiled"] = counts["loaded"], counts["compiled"]
+out["loaded"], out["compiled"], out["misses"] = counts["loaded"], counts["compiled"], misses
 print(json.dumps(out))
 '''
 
@@ -250,14 +264,16 @@ def test_the_workers_entries_are_what_the_launches_load(tmp_path):
     # End to end on CPU with a stand-in driver: collect lists the variants of warmup's calls,
     # two workers compile one variant each of three kernels into a fresh cache, then the calls
     # launch again and Triton's own lookup finds those variants (the other variants of the
-    # same kernels, not compiled by the workers, are the only misses). Before
-    # compile_pool.settle_cache_keys, the workers wrote entries under other keys.
+    # same kernels, not compiled by the workers, are the only misses; they are not compiled).
+    # Before compile_pool.settle_cache_keys, the workers wrote entries under other keys.
     out = _run(FLOW, tmp_path / "cache")
     assert out["variants"] >= 20
     assert out["cut_types"] == ["*i32"], out["cut_types"]
     assert out["sources_per_key"] in (None, [1]), out["sources_per_key"]
     assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
-    assert out["loaded"] == 3, out
+    assert out["loaded"] == 3 and out["compiled"] == [], out
+    assert out["misses"] and set(out["misses"]) <= {"sample_kernel", "finish_kernel",
+                                                    "residual_draw_kernel"}, out
 
 
 def test_a_dead_worker_passes_its_variants_to_the_live_one():
