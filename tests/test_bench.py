@@ -131,6 +131,15 @@ def test_specsample_bench_command_is_registered():
     assert args._run is bench.run_bench and args.batch_sizes == [1, 8] and args.quick
 
 
+def test_full_sizes_on_a_cpu_need_asking_for(tmp_path, capsys, monkeypatch):
+    # (a new user's `specsample bench` without a GPU ran full-size cases for 11 minutes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--cpu-check" in err and "--device cpu" in err
+    assert not (tmp_path / "bench.json").exists()
+
+
 def test_cpu_check_reports_the_ratio():
     cases = (("T0.8 top_p", 2, 1024, False, {"temperature": 0.8, "top_p": 0.9}, 5.0),
              ("sample", 3, 1024, True, {"temperature": 0.8}, None))

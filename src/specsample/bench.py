@@ -47,8 +47,10 @@ tree's structure is laid out by the first, eager call; the captured call reads t
 tokens on the device).
 
 On a CPU (no CUDA) the harness runs the PyTorch backend with ``time.perf_counter`` medians and
-no graph replay (``--quick`` gives smoke-test sizes). ``--cpu-check`` times the CPU path per
-option instead (:data:`CPU_CASES`), each against one ``torch.softmax`` over the same rows.
+no graph replay (``--quick`` gives smoke-test sizes); without ``--device cpu``, ``--quick`` or
+a size it refuses (exit status 2), since the full sizes take minutes per case there.
+``--cpu-check`` times the CPU path per option instead (:data:`CPU_CASES`), each against one
+``torch.softmax`` over the same rows.
 """
 
 from __future__ import annotations
@@ -1120,7 +1122,9 @@ def run_cpu_check(args: argparse.Namespace, out: Path) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark described by parsed ``args``; write the report into ``args.out``."""
+    """Run the benchmark described by parsed ``args``; write the report into ``args.out``.
+    Returns the exit status: 0, or 2 (nothing run) when there is no CUDA device and neither
+    ``--device``, ``--quick`` nor a size was given: the full sizes would take hours on a CPU."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
@@ -1129,6 +1133,14 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_cpu_check(args, out)
     if args.from_json:
         return report_from_json(Path(args.from_json), out)
+    sizes = ("batch_sizes", "vocab", "sample_batch_sizes", "sample_vocab")
+    if args.device is None and not torch.cuda.is_available() and not args.quick and all(
+            getattr(args, k) is None for k in sizes):
+        print("specsample bench: no CUDA device here, and the protocol's full-size cases take "
+              "minutes each on a CPU. Run `specsample bench --cpu-check` (the CPU path per "
+              "option against softmax), `--quick` (smoke-test sizes), or `--device cpu` to run "
+              "the full sizes anyway.", file=sys.stderr)
+        return 2
     _resolve_sizes(args)
     device = resolve_device(args.device)
     cfg = Settings(device=device, backend=select_backend(device), warmup_ms=args.warmup_ms,
@@ -1140,7 +1152,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"device {device} ({cfg.backend} backend), copy bandwidth {bandwidth / 1e12:.3f} TB/s",
           flush=True)
     if not _cuda(device) and not args.quick:
-        print("note: no CUDA device; the protocol's GPU sizes on the CPU take minutes per case "
+        print("note: no CUDA device; these sizes on the CPU can take minutes per case "
               "(--quick: smoke-test sizes; --cpu-check: the CPU path against softmax)",
               flush=True)
     report = {"environment": environment(device, cfg.backend), "args": {
