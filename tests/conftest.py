@@ -97,9 +97,69 @@ def _philox_in_numpy() -> None:
     kernels._philox_words01 = philox_words01
 
 
+def _builtins_patched_from_a_list() -> None:
+    """Every launch, Triton 3.6's interpreter lists the members of five language namespaces
+    (``inspect.getmembers``) to find their builtins and wraps each (about 900) in a new
+    function bound to its builder; and ``_get_np_dtype`` builds a table of 17 dtypes at every
+    load, store and cast. Here the wrappers are made once, before any launch (while nothing
+    is patched), by the interpreter's own ``_patch_attr``, and each launch sets those same
+    wrappers (restored as before when it ends); the dtype table is built once. Namespaces or
+    builders other than those take the interpreter's own path."""
+    try:
+        import inspect
+
+        import numpy as np
+        from triton.runtime import interpreter as ti
+        tl, builder = ti.tl, ti.interpreter_builder
+        real_patch, real_np_dtype = ti._patch_builtin, ti._get_np_dtype
+        spaces = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    except (ImportError, AttributeError):
+        return
+
+    class Recorder:  # (a patch scope that only notes what would be set)
+        def __init__(self) -> None:
+            self.wrappers: list = []
+
+        def set_attr(self, obj, name, value) -> None:
+            self.wrappers.append((name, value))
+
+    prepared = {}
+    for pkg in spaces:
+        rec = Recorder()
+        for name, member in inspect.getmembers(pkg):
+            if tl.core.is_builtin(member):
+                ti._patch_attr(pkg, name, member, builder, rec)
+        prepared[id(pkg)] = (pkg, rec.wrappers)
+
+    def patch_builtin(pkg, b, scope):
+        entry = prepared.get(id(pkg))
+        if b is not builder or entry is None or entry[0] is not pkg:
+            return real_patch(pkg, b, scope)
+        for name, wrapper in entry[1]:
+            scope.set_attr(pkg, name, wrapper)
+
+    pointer, block, u64 = tl.pointer_type, tl.block_type, np.dtype(np.uint64)
+    table = {}
+
+    def np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype
+        if isinstance(element, pointer):
+            return u64
+        name = getattr(element, "name", None)
+        found = table.get(name) if type(name) is str else None
+        if found is None:
+            found = real_np_dtype(element)
+            if type(name) is str:
+                table[name] = found
+        return found
+
+    ti._patch_builtin, ti._get_np_dtype = patch_builtin, np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
     _philox_in_numpy()
+    _builtins_patched_from_a_list()
 
 
 def pytest_collection_modifyitems(config, items):
