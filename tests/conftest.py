@@ -105,17 +105,6 @@ def _builtins_patched_from_a_list() -> None:
     is patched), by the interpreter's own ``_patch_attr``, and each launch sets those same
     wrappers (restored as before when it ends); the dtype table is built once. Namespaces or
     builders other than those take the interpreter's own path."""
-    try:
-        import inspect
-
-        import numpy as np
-        from triton.runtime import interpreter as ti
-        tl, builder = ti.tl, ti.interpreter_builder
-        real_patch, real_np_dtype = ti._patch_builtin, ti._get_np_dtype
-        spaces = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
-    except (ImportError, AttributeError):
-        return
-
     class Recorder:  # (a patch scope that only notes what would be set)
         def __init__(self) -> None:
             self.wrappers: list = []
@@ -123,13 +112,22 @@ def _builtins_patched_from_a_list() -> None:
         def set_attr(self, obj, name, value) -> None:
             self.wrappers.append((name, value))
 
-    prepared = {}
-    for pkg in spaces:
-        rec = Recorder()
-        for name, member in inspect.getmembers(pkg):
-            if tl.core.is_builtin(member):
-                ti._patch_attr(pkg, name, member, builder, rec)
-        prepared[id(pkg)] = (pkg, rec.wrappers)
+    try:
+        import inspect
+
+        import numpy as np
+        from triton.runtime import interpreter as ti
+        tl, builder = ti.tl, ti.interpreter_builder
+        real_patch, real_np_dtype = ti._patch_builtin, ti._get_np_dtype
+        prepared = {}
+        for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+            rec = Recorder()
+            for name, member in inspect.getmembers(pkg):
+                if tl.core.is_builtin(member):
+                    ti._patch_attr(pkg, name, member, builder, rec)
+            prepared[id(pkg)] = (pkg, rec.wrappers)
+    except (ImportError, AttributeError, TypeError):  # (another interpreter: as it is)
+        return
 
     def patch_builtin(pkg, b, scope):
         entry = prepared.get(id(pkg))

@@ -133,11 +133,16 @@ def test_specsample_bench_command_is_registered():
 
 def test_full_sizes_on_a_cpu_need_asking_for(tmp_path, capsys, monkeypatch):
     # (a new user's `specsample bench` without a GPU ran full-size cases for 11 minutes)
+    from specsample import cli
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main(["--out", str(tmp_path)]) == 2
+    out = tmp_path / "out"
+    assert bench.main(["--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "--cpu-check" in err and "--device cpu" in err
-    assert not (tmp_path / "bench.json").exists()
+    assert cli.main(["bench", "--out", str(out)]) == 2  # (the `specsample bench` command)
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not out.exists()  # (nothing written)
 
 
 def test_cpu_check_reports_the_ratio():

@@ -256,6 +256,7 @@ for k in compile_pool._package_kernels():
 with compile_pool.count_compiles() as counts:
     calls()
 out["loaded"], out["compiled"], out["misses"] = counts["loaded"], counts["compiled"], misses
+out["picked_variants"] = sum(v.name in seen for v in variants)  # (of the three kernels)
 print(json.dumps(out))
 '''
 
@@ -272,8 +273,7 @@ def test_the_workers_entries_are_what_the_launches_load(tmp_path):
     assert out["sources_per_key"] in (None, [1]), out["sources_per_key"]
     assert out["workers"]["compiled"] == 3 and out["workers"]["failed"] == [], out
     assert out["loaded"] == 3 and out["compiled"] == [], out
-    assert out["misses"] and set(out["misses"]) <= {"sample_kernel", "finish_kernel",
-                                                    "residual_draw_kernel"}, out
+    assert len(out["misses"]) == out["picked_variants"] - 3 > 0, out
 
 
 def test_a_dead_worker_passes_its_variants_to_the_live_one():

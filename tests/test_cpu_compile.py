@@ -14,7 +14,7 @@ warned.
 
 All tests share one xdist group: each function variant and shape class compiles once
 (20-60 s on 2 cores with an empty Inductor cache), and later tests reuse it; the file compiles
-22 graphs (and four small ones of its own). Split over two workers, the halves compiled more
+23 graphs (and four small ones of its own). Split over two workers, the halves compiled more
 between them than the file does in one process.
 """
 
@@ -107,11 +107,12 @@ OPTIONS = [{"top_p": 0.9, "top_k": 40}, {"top_p": 0.5}, {"min_p": 0.05}, {"top_k
 @pytest.mark.parametrize("options", OPTIONS)
 def test_processed_rows_match_eager(options):
     """Filters, penalties, bias and bans in the compiled pass (the cut and the processed rows
-    from the eager code, applied on the fly), at vocabularies with a partial tile: each
-    further vocabulary class is a compilation of 20-60 s on 2 cores (the classes are covered
-    by test_temperature_only_verify_matches_eager, test_matched_rows_shape_classes_in_one_
-    process and, for the candidates' functions at a multiple of the tile, the two near-tie
-    tests)."""
+    from the eager code, applied on the fly), at vocabularies of 3,000 and 5,000: each
+    further size class is a compilation of 20-60 s on 2 cores. The other classes are
+    covered by test_temperature_only_verify_matches_eager and test_matched_rows_shape_
+    classes_in_one_process; the candidates' functions at a real vocabulary (49,152: their
+    groups of blocks) by the latter and test_one_row_sample_is_its_row_in_a_batch, at 4,096
+    by the two near-tie tests."""
     shapes = [(2, 3, 5000), (3, 2, 3000)]
     for n, k, v in shapes:
         for seed in (0, 1, 2, 3):
@@ -355,15 +356,15 @@ def test_compile_failure_falls_back(monkeypatch):
 
 
 def test_modes_and_dtypes_mixed_in_one_process():
-    """Grad mode, no_grad, inference_mode and three logits dtypes in one process: each
+    """Grad mode, no_grad, inference_mode and two logits dtypes in one process: each
     (dtype, inference tensor or not) compiles apart, so no mix exhausts torch.compile's
     limit of 8 recompilations per function (which once made it fail for good), and every
     result is the eager one."""
     base, drafts, batch, pos = _case(3, 2, 3000, 7, min_p=0.05)  # (a threshold cut)
     # (each (dtype, inference tensor or not) is a compilation of 20-45 s on 2 cores: float32
-    # with and without gradients, bfloat16 as inference tensors, float16 without gradients)
-    for dtype, modes in ((torch.float32, ("grad", "no_grad")), (torch.bfloat16, ("inference",)),
-                         (torch.float16, ("no_grad",))):
+    # in every mode, bfloat16 without gradients; float16 rows take bfloat16's upcast)
+    for dtype, modes in ((torch.float32, ("grad", "no_grad", "inference")),
+                         (torch.bfloat16, ("no_grad",))):
         for mode in modes:
             logits = base.nan_to_num(0.0).to(dtype)
             ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
@@ -381,10 +382,10 @@ def test_modes_and_dtypes_mixed_in_one_process():
 
 def test_matched_rows_shape_classes_in_one_process():
     """One-hot verify over the shapes the compiled match distinguishes (one request, one
-    draft, with and without a cut, vocabularies with a partial tile and multiples of it; the
-    class below one tile, 20-45 s of compilation per function on 2 cores, is covered without
-    a cut by test_temperature_only_verify_matches_eager), in one process: no variant runs out
-    of torch.compile's recompilations, and every result is the eager one."""
+    draft, with and without a cut, vocabularies with a partial tile and multiples of it), in
+    one process: no variant runs out of torch.compile's recompilations, and every result is
+    the eager one. (Vocabularies below one tile, 20-45 s of compilation per function on 2
+    cores, are covered without a cut by test_temperature_only_verify_matches_eager.)"""
     for n, k, v in [(1, 1, 3000), (1, 4, 49152), (2, 1, 2500), (3, 2, 6144), (4, 3, 5000),
                     (2, 2, 5500), (5, 1, 4096)]:
         for options in ({}, {"top_k": 5}, {"min_p": 0.1}):
@@ -548,7 +549,7 @@ def test_one_row_sample_is_its_row_in_a_batch(monkeypatch):
     for v, options, name, rows in ((5000, {}, "processed_rows", 6),
                                    (49152, {}, "processed_rows", 6),
                                    (4096, {"top_k": 20, "top_p": 0.8}, "candidate_rows", 6),
-                                   (5000, {"top_p": 0.9}, "candidate_rows", 6)):
+                                   (49152, {"top_p": 0.9}, "candidate_rows", 6)):
         paths.reset()
         logits = torch.randn(3, v, generator=g) * 3
         params = [SamplingParams(temperature=0.8, seed=40 + i, **options) for i in range(3)]

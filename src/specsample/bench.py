@@ -1123,8 +1123,17 @@ def run_cpu_check(args: argparse.Namespace, out: Path) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; write the report into ``args.out``.
-    Returns the exit status: 0, or 2 (nothing run) when there is no CUDA device and neither
-    ``--device``, ``--quick`` nor a size was given: the full sizes would take hours on a CPU."""
+    Returns the exit status: 0, or 2 (nothing run, nothing written) when there is no CUDA
+    device and neither ``--device``, ``--quick`` nor a size was given: the full sizes take
+    minutes per case on a CPU."""
+    sizes = ("batch_sizes", "vocab", "sample_batch_sizes", "sample_vocab")
+    if not (args.cpu_check or args.from_json) and args.device is None and not args.quick and (
+            not torch.cuda.is_available()) and all(getattr(args, k) is None for k in sizes):
+        print("specsample bench: no CUDA device here, and the protocol's full-size cases take "
+              "minutes each on a CPU. Run `specsample bench --cpu-check` (the CPU path per "
+              "option against softmax), `--quick` (smoke-test sizes), or `--device cpu` to run "
+              "the full sizes anyway.", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
@@ -1133,14 +1142,6 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_cpu_check(args, out)
     if args.from_json:
         return report_from_json(Path(args.from_json), out)
-    sizes = ("batch_sizes", "vocab", "sample_batch_sizes", "sample_vocab")
-    if args.device is None and not torch.cuda.is_available() and not args.quick and all(
-            getattr(args, k) is None for k in sizes):
-        print("specsample bench: no CUDA device here, and the protocol's full-size cases take "
-              "minutes each on a CPU. Run `specsample bench --cpu-check` (the CPU path per "
-              "option against softmax), `--quick` (smoke-test sizes), or `--device cpu` to run "
-              "the full sizes anyway.", file=sys.stderr)
-        return 2
     _resolve_sizes(args)
     device = resolve_device(args.device)
     cfg = Settings(device=device, backend=select_backend(device), warmup_ms=args.warmup_ms,
