@@ -145,7 +145,7 @@ def _builtins_patched_from_a_list() -> None:
         if isinstance(element, pointer):
             return u64
         name = getattr(element, "name", None)
-        found = table.get(name) if type(name) is str else None
+        found = table.get(name)
         if found is None:
             found = real_np_dtype(element)
             if type(name) is str:

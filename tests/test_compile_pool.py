@@ -167,7 +167,6 @@ def test_cache_keys_do_not_depend_on_the_order_kernels_are_first_compiled():
 
 
 FLOW = PREAMBLE + r'''
-import hashlib
 import torch, triton
 from triton.runtime import driver
 
@@ -235,14 +234,8 @@ def launch_compile(src, target=None, options=None, _env_vars=None):
     # a miss (their other variants, which the workers did not compile) is only noted, since
     # compiling it here would cost seconds and tell nothing
     if src.fn.__name__ in seen:
-        from triton.compiler.compiler import (get_cache_invalidating_env_vars, get_cache_key,
-                                              get_cache_manager, make_backend)
-        backend = make_backend(target or TARGET)
-        opts = backend.parse_options(dict(options or {}, **src.parse_options()))
-        key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
-        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
-        if f"{src.name[:150]}.json" in (get_cache_manager(digest).get_group(
-                f"{src.name[:150]}.json") or {}):
+        entry = compile_pool.source_entry(src, make_backend(target or TARGET), options or {})
+        if compile_pool._entry_exists(entry):
             real(src, target=target, options=options)
         else:
             misses.append(src.fn.__name__)

@@ -1065,15 +1065,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (torch.set_num_threads; default: torch's)")
 
 
+#: Size arguments left unset take the protocol's sizes (or, with --quick, smoke-test ones).
+PROTOCOL_SIZES = {"batch_sizes": [1, 8, 32, 128], "vocab": 151936,
+                  "sample_batch_sizes": [1, 128], "sample_vocab": 248320}
+QUICK_SIZES = {"batch_sizes": [1, 4], "vocab": 2048, "sample_batch_sizes": [1, 4],
+               "sample_vocab": 4096}
+
+
 def _resolve_sizes(args: argparse.Namespace) -> None:
     """Fill size arguments left unset from the protocol (or the --quick sizes)."""
-    quick = {"batch_sizes": [1, 4], "vocab": 2048, "sample_batch_sizes": [1, 4],
-             "sample_vocab": 4096}
-    full = {"batch_sizes": [1, 8, 32, 128], "vocab": 151936, "sample_batch_sizes": [1, 128],
-            "sample_vocab": 248320}
-    for key, value in (quick if args.quick else full).items():
+    for key, value in (QUICK_SIZES if args.quick else PROTOCOL_SIZES).items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, list(value) if isinstance(value, list) else value)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -1126,9 +1129,9 @@ def run_bench(args: argparse.Namespace) -> int:
     Returns the exit status: 0, or 2 (nothing run, nothing written) when there is no CUDA
     device and neither ``--device``, ``--quick`` nor a size was given: the full sizes take
     minutes per case on a CPU."""
-    sizes = ("batch_sizes", "vocab", "sample_batch_sizes", "sample_vocab")
     if not (args.cpu_check or args.from_json) and args.device is None and not args.quick and (
-            not torch.cuda.is_available()) and all(getattr(args, k) is None for k in sizes):
+            not torch.cuda.is_available()) and all(getattr(args, k) is None
+                                                   for k in PROTOCOL_SIZES):
         print("specsample bench: no CUDA device here, and the protocol's full-size cases take "
               "minutes each on a CPU. Run `specsample bench --cpu-check` (the CPU path per "
               "option against softmax), `--quick` (smoke-test sizes), or `--device cpu` to run "

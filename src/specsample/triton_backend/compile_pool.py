@@ -205,16 +205,25 @@ def _source(variant: Variant, target: GPUTarget):
 
 def cache_entry(variant: Variant, target: GPUTarget) -> tuple[str, str]:
     """(hash, file name) under which ``triton.compile`` stores and finds the variant."""
+    src, backend, options = _source(variant, target)
+    return source_entry(src, backend, options.__dict__)
+
+
+def source_entry(src, backend, options: dict) -> tuple[str, str]:
+    """(hash, file name) under which ``triton.compile(src, options=options)`` stores and finds
+    its kernel for ``backend``'s target (``src`` an ASTSource; ``options`` as the launch
+    passes them)."""
     # (the names triton.compile uses)
     from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key
 
-    src, backend, options = _source(variant, target)
-    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+    options = backend.parse_options(dict(options, **src.parse_options()))
     key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
     return hashlib.sha256(key.encode("utf-8")).hexdigest(), f"{src.name[:150]}.json"
 
 
 def _entry_exists(entry: Sequence[str]) -> bool:
+    """Whether Triton's on-disk cache holds ``entry`` (:func:`cache_entry`'s or
+    :func:`source_entry`'s (hash, file name))."""
     from triton.compiler.compiler import get_cache_manager
 
     digest, name = entry
