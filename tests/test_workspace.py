@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specsample
-from specsample import SamplingBatch, SamplingParams, workspace
+from specsample import SamplingBatch, SamplingParams, paths, workspace
 
 V = 3000
 # CPU tensors on the Triton backend run in Triton's interpreter, which a CUDA machine's test
@@ -289,3 +289,137 @@ def test_triton_calls_look_the_stream_up_once_per_call(monkeypatch):
     specsample.verify_tree(x, [1, 2, 3, 4], [0, 0, 0, 1], [2, 2], batch,
                            positions=torch.arange(2))
     assert len(lookups) == 2
+
+
+# ---- capture memory: zeros and counters that a captured graph reads without a fill node
+
+@pytest.fixture
+def cpu_capture(monkeypatch):
+    """Calls on CPU tensors as if the stream captured a graph, with capture memory for the
+    CPU (made, on CUDA, by the first call outside capture)."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(workspace, "_capturing_now", lambda d: True)
+    monkeypatch.setitem(workspace._CAPTURE_MEMORY, cpu, workspace._CaptureMemory(cpu))
+    paths.reset()
+    return workspace._CAPTURE_MEMORY[cpu]
+
+
+def test_capture_counters_are_slices_no_other_capture_gets(cpu_capture):
+    cpu = torch.device("cpu")
+    got = [workspace.counters("draw", (n,), cpu) for n in (5, 1, 3, 8)]
+    base = cpu_capture.counters.data_ptr()
+    spans = sorted((t.data_ptr() - base, t.data_ptr() - base + 4 * t.numel()) for t in got)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    assert all(t.data_ptr() % 16 == 0 and t.eq(0).all() for t in got)  # (Triton's alignment)
+    assert all(t.untyped_storage().data_ptr() == base for t in got)
+    z = workspace.zeros((2, 3), torch.float32, cpu)
+    assert z.shape == (2, 3) and z.eq(0).all()
+    assert z.data_ptr() == cpu_capture.zeros.data_ptr()
+    assert workspace.zeros((1,), torch.int64, cpu).data_ptr() == z.data_ptr()
+    assert paths.counts() == {}  # (no fill)
+    workspace.release()  # (the capture memory stays: graphs keep reading it)
+    assert workspace._CAPTURE_MEMORY[cpu] is cpu_capture
+
+
+def test_capture_memory_used_up_falls_back_to_a_counted_fill(cpu_capture, monkeypatch):
+    cpu = torch.device("cpu")
+    cpu_capture.used = workspace.CAPTURE_COUNTERS - 4
+    a = workspace.counters("draw", (4,), cpu)  # the last slice
+    b = workspace.counters("draw", (4,), cpu)  # none left: a tensor of its own
+    assert a.untyped_storage().data_ptr() == cpu_capture.counters.data_ptr()
+    assert b.untyped_storage().data_ptr() != cpu_capture.counters.data_ptr() and b.eq(0).all()
+    big = workspace.zeros((workspace.CAPTURE_ZEROS,), torch.int32, cpu)
+    assert big.eq(0).all() and big.numel() == workspace.CAPTURE_ZEROS
+    assert paths.counts() == {"workspace.capture_fill.counters": {"calls": 1, "rows": 1},
+                              "workspace.capture_fill.zeros": {"calls": 1, "rows": 1}}
+    monkeypatch.delitem(workspace._CAPTURE_MEMORY, cpu)  # (no call made it outside capture)
+    workspace.counters("draw", (4,), cpu)
+    assert paths.counts()["workspace.capture_fill.counters"]["calls"] == 2
+
+
+@INTERPRETER_ONLY
+def test_captured_single_launch_leaves_its_counters_zero(cpu_capture, monkeypatch):
+    # The single launch counts finished splits and rows in its counters and sets them back
+    # to 0 (a graph replays it with the same slice, and no fill node): after a "captured"
+    # call the slice is zero again, and the tokens are the eager call's.
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    v = 700
+    batch = SamplingBatch.from_params(
+        [SamplingParams(temperature=0.8, seed=i) for i in range(3)] + [SamplingParams()],
+        vocab_size=v)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, v, generator=g) * 3
+    drafts = torch.randint(0, v, (8,), generator=g)
+    pos = torch.arange(4)
+    captured = specsample.verify(rows, drafts, [2] * 4, batch, positions=pos, strict=False)
+    sampled = specsample.sample(rows[:4], batch, positions=pos, strict=False)
+    assert cpu_capture.used > 0 and cpu_capture.counters.eq(0).all()
+    assert cpu_capture.zeros.eq(0).all()
+    assert "triton.one_launch" in paths.counts()
+    assert not any(k.startswith("workspace.capture_fill") for k in paths.counts())
+    monkeypatch.setattr(workspace, "_capturing_now", lambda d: False)
+    eager = specsample.verify(rows, drafts, [2] * 4, batch, positions=pos, strict=False)
+    assert torch.equal(captured.token_ids, eager.token_ids)
+    assert torch.equal(sampled.token_ids,
+                       specsample.sample(rows[:4], batch, positions=pos).token_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_calls_hold_no_fill_nodes():
+    # verify() and sample() on the single launch captured into graphs: each replay runs that
+    # one kernel (no fill of counters or placeholders before it); two graphs captured alike
+    # and replayed in turn with new logits give the eager tokens (their counters are their
+    # own); with the capture counters used up, a counted fill node keeps the result right.
+    from torch.profiler import ProfilerActivity, profile
+
+    from specsample.bench import capture_graph
+
+    v, n = 151_936, 8
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0, seed=i)
+                                       for i in range(n)], vocab_size=v, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def logits(rows):
+        return (torch.randn(rows, v, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+
+    pos = torch.arange(n, device="cuda")
+    drafts = torch.randint(0, v, (4 * n,), generator=gen, device="cuda")
+    static = [logits(5 * n), logits(5 * n), logits(n)]
+    paths.reset()
+    graphs = [capture_graph(lambda x=x: specsample.verify(
+        x, drafts, [4] * n, batch, positions=pos, strict=False)) for x in static[:2]]
+    graphs.append(capture_graph(lambda: specsample.sample(static[2], batch, positions=pos,
+                                                          strict=False)))
+    assert not any(k.startswith("workspace.capture_fill") for k in paths.counts())
+    for graph, _out in graphs:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert [k for k in names if "Fill" in k or "fill" in k] == []
+        assert any("stats_draw_kernel" in k for k in names)
+    for _ in range(3):
+        for x in static:
+            x.copy_(logits(x.shape[0]))
+        for graph, _out in graphs:
+            graph.replay()
+        for x, (_graph, out) in zip(static, graphs):
+            if x is static[2]:
+                want = specsample.sample(x, batch, positions=pos).token_ids
+            else:
+                want = specsample.verify(x, drafts, [4] * n, batch, positions=pos).token_ids
+            assert torch.equal(out.token_ids, want)
+    mem = workspace._CAPTURE_MEMORY[torch.device("cuda", torch.cuda.current_device())]
+    kept, mem.used = mem.used, workspace.CAPTURE_COUNTERS
+    try:
+        graph, out = capture_graph(lambda: specsample.verify(
+            static[0], drafts, [4] * n, batch, positions=pos, strict=False))
+    finally:
+        mem.used = kept
+    assert paths.counts()["workspace.capture_fill.counters"]["calls"] >= 1
+    for _ in range(2):
+        static[0].copy_(logits(5 * n))
+        graph.replay()
+        want = specsample.verify(static[0], drafts, [4] * n, batch, positions=pos).token_ids
+        assert torch.equal(out.token_ids, want)

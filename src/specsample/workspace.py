@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from . import paths
+
 _LOCAL = threading.local()
 
 
@@ -72,8 +74,12 @@ def call(device: torch.device):
     3-5 us of host time each time on an H200 host; an eager call makes a dozen requests). The
     block must not change the current device or stream or start a capture (``device`` is the
     current CUDA device, as every launch's tensors are), and a :func:`release` inside it takes
-    effect after it. Blocks nest."""
+    effect after it. Blocks nest. The first block on a CUDA device outside capture also makes
+    the device's capture memory (what :func:`zeros` and :func:`counters` hand out under
+    capture, so that no fill is captured)."""
     cap = _capturing_now(device)
+    if not cap and device.type == "cuda" and device not in _CAPTURE_MEMORY:
+        _capture_memory(device)
     prev = _LOCAL.__dict__.get("call")
     _LOCAL.call = (device, cap, None if cap else _stream_cache(*stream_key(device)))
     try:
@@ -172,23 +178,93 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor that kernels only read (placeholder ids), kept as :func:`scratch` keeps
-    its tensors (per thread and CUDA stream: the fill is queued on the stream that reads it;
-    new under CUDA-graph capture). Never write it."""
-    return _kept_zeros(None, shape, dtype, device)
+    its tensors (per thread and CUDA stream: the fill is queued on the stream that reads it).
+    Under CUDA-graph capture: a view of the device's capture zeros (:func:`call` makes them
+    before the first capture), so the graph holds no fill node for it. Never write it."""
+    cap, caches = _state(device)
+    if cap:
+        mem = _CAPTURE_MEMORY.get(_indexed(device))
+        n = math.prod(shape) * dtype.itemsize
+        if mem is not None and n <= mem.zeros.numel():
+            return mem.zeros[:n].view(dtype).view(shape)
+        paths.record("workspace.capture_fill.zeros", 1)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return _kept_zeros(None, shape, dtype, device, caches)
 
 
 def counters(name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An int32 tensor of zeros kept per thread and CUDA stream like :func:`zeros`, for
-    counters that a kernel increments and sets back to 0 before it ends (the launch after
-    it finds zeros again); new, zero-filled by the graph, under CUDA-graph capture."""
-    return _kept_zeros(("counters", name), shape, torch.int32, device)
-
-
-def _kept_zeros(name, shape: tuple[int, ...], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
+    """An int32 tensor of zeros for counters that a kernel increments and sets back to 0
+    before it ends (the launch after it finds zeros again): kept per thread and CUDA stream
+    like :func:`zeros`. Under CUDA-graph capture: a slice of the device's capture counters
+    that no other capture or eager call is given, zero when the graph first runs and left
+    zero by every replay, so the graph holds no fill node for it (once they are used up, a
+    new tensor zero-filled by the graph, counted as the path
+    ``workspace.capture_fill.counters``)."""
     cap, caches = _state(device)
     if cap:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        got = _capture_counters(device, math.prod(shape))
+        if got is not None:
+            return got.view(shape)
+        paths.record("workspace.capture_fill.counters", 1)
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    return _kept_zeros(("counters", name), shape, torch.int32, device, caches)
+
+
+#: int32 counters per CUDA device that CUDA-graph captures take slices of (4 MiB; a captured
+#: call at B = 256, K = 4 takes 1,536).
+CAPTURE_COUNTERS = 1 << 20
+#: Bytes of zeros per CUDA device that placeholders read under capture.
+CAPTURE_ZEROS = 4096
+_ALIGN = 4  # int32 per 16 bytes: every slice starts where Triton's pointer specialisation wants
+
+
+class _CaptureMemory:
+    """A device's capture zeros and counters, made outside any capture and never freed (a
+    captured graph keeps reading them; :func:`release` leaves them)."""
+
+    def __init__(self, device: torch.device):
+        with torch.inference_mode(False):
+            self.zeros = torch.zeros(CAPTURE_ZEROS, dtype=torch.uint8, device=device)
+            self.counters = torch.zeros(CAPTURE_COUNTERS, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            # (a graph may be captured and replayed on another stream: the fills are done first)
+            torch.cuda.current_stream(device).synchronize()
+        self.used = 0
+
+
+_CAPTURE_MEMORY: dict[torch.device, _CaptureMemory] = {}
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _capture_memory(device: torch.device) -> None:
+    device = _indexed(device)
+    with _CAPTURE_LOCK:
+        if device not in _CAPTURE_MEMORY:
+            _CAPTURE_MEMORY[device] = _CaptureMemory(device)
+
+
+def _capture_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """``n`` int32 zeros of ``device``'s capture counters that nothing else is given, or None
+    when there is no room (or no capture memory: no call ran on the device outside capture)."""
+    mem = _CAPTURE_MEMORY.get(_indexed(device))
+    if mem is None:
+        return None
+    with _CAPTURE_LOCK:
+        start = mem.used
+        if start + n > mem.counters.numel():
+            return None
+        mem.used = start + -(-n // _ALIGN) * _ALIGN
+    return mem.counters[start:start + n]
+
+
+def _kept_zeros(name, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                caches: tuple[dict, dict]) -> torch.Tensor:
     _bufs, views = caches
     key = (name, shape, dtype)  # (scratch names are strings)
     t = views.get(key)
