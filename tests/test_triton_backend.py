@@ -172,10 +172,12 @@ def _long_drafts_case(seed: int, ks: list[int], v: int, kind: str, temps: list[f
                                          ("draft_probs", "block")])
 def test_more_drafts_than_one_finish_step(kind, method):
     """k + 1 > 8: the finish walk's later steps, the running state (acceptance, rho) carried
-    between them, the bonus row alone in a step; greedy and sampled requests, a placeholder.
+    between them, the bonus row alone in a step; greedy and sampled requests, placeholders
+    (one at j = 10 of a greedy request with 12 drafts: the single launch finds k_eff from
+    more ids than the eight it loads up front).
     (One-hot drafts verify the same way with either method.)"""
     ks = [9, 12, 8, 7, 16, 10, 0, 17]
-    case = _long_drafts_case(3, ks, 48, kind, [1.0, 0.0, 1.0, 0.7], placeholders=(32,))
+    case = _long_drafts_case(3, ks, 48, kind, [1.0, 0.0, 1.0, 0.7], placeholders=(32, 19))
     out, _ = _compare(*case, method)
     assert (out.num_accepted.cpu() >= 8).any()
 

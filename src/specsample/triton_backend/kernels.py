@@ -329,12 +329,25 @@ def _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, IS_PROBS, S_MAX: tl.
     For logits the normaliser is log sum exp((x - max) / t); for probabilities (``IS_PROBS``,
     a constant or a runtime flag) log sum x.
     """
+    pm, ps, pf = _load_parts(part_m_ptr, part_s_ptr, part_f_ptr, r, S, S_MAX)
+    return _combine_parts(pm, ps, pf, t, IS_PROBS)
+
+
+@triton.jit
+def _load_parts(part_m_ptr, part_s_ptr, part_f_ptr, r, S, S_MAX: tl.constexpr):
+    """Row ``r``'s split statistics [S_MAX] (max, sum, flags), neutral past S."""
     offs = tl.arange(0, S_MAX)
     o = r.to(tl.int64) * S + offs
     ok = offs < S
     pm = tl.load(part_m_ptr + o, mask=ok, other=-float("inf"))
     ps = tl.load(part_s_ptr + o, mask=ok, other=0.0)
     pf = tl.load(part_f_ptr + o, mask=ok, other=0)
+    return pm, ps, pf
+
+
+@triton.jit
+def _combine_parts(pm, ps, pf, t, IS_PROBS):
+    """:func:`_row_stats` of loaded split statistics."""
     m = tl.max(pm, axis=0)
     if IS_PROBS:
         total = tl.sum(ps, axis=0)
@@ -390,19 +403,25 @@ def _best_sub(key, tile, seed_lo, seed_hi, pos, stream: tl.constexpr, BLOCK: tl.
 
 @triton.jit
 def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi,
-                  pos, cut_v, cut_i, req, j, pen, PEN: tl.constexpr, BLOCK: tl.constexpr):
+                  pos, first, cut_v, cut_i, req, j, pen, PEN: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Exact draw from softmax((x - m) / t) of row ``r``, restricted to the survivors of the
     cut (cut_v, cut_i), by three-level Gumbel-max: a tile with keys log-mass + G
     (STREAM_SAMPLE_TILE), a sub-tile of it (STREAM_SAMPLE_SUB), then a token of that sub-tile
     with keys (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend.
-    With PEN, x is row ``j`` of request ``req`` processed (``penalties.process``)."""
+    With PEN, x is row ``j`` of request ``req`` processed (``penalties.process``). ``first``:
+    :func:`_first_tiles` (the first NT_CHUNK tiles and their noise)."""
     best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
         offs = c + tl.arange(0, NT_CHUNK)
-        tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
+        if c == 0:
+            tm, ts, has, g = first
+        else:
+            tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
+            g = _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
         lm = (tl.where(has, tm, m) - m) / t + tl.log(tl.where(has, ts, 1.0))
-        key = lm + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
+        key = lm + g
         key = tl.where(has, key, -float("inf"))
         kmax = tl.max(key, axis=0)
         kidx = tl.argmax(key, axis=0) + c
@@ -428,6 +447,20 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     key = key + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE)
     key = tl.where(fin, key, -float("inf"))
     return (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
+
+
+@triton.jit
+def _first_tiles(tilemax_ptr, tilesum_ptr, r, NT, seed_lo, seed_hi, pos, sampled):
+    """Row ``r``'s first NT_CHUNK tiles (:func:`_load_tiles`) and, when ``sampled``, their
+    tile-level noise, for :func:`_tiled_sample`: neither needs the row's statistics, so the
+    draw loads the tiles with the statistics and makes the noise before combining them (one
+    dependent load fewer in a row's latency: at B = 1 about 0.5 us of an H100 launch)."""
+    offs = tl.arange(0, NT_CHUNK)
+    tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
+    g = tl.zeros([NT_CHUNK], tl.float32)
+    if sampled:
+        g = _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
+    return tm, ts, has, g
 
 
 @triton.jit
@@ -542,7 +575,13 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     the launch and after it. So the draw starts as soon as its row has been read, while other
     rows are still being read, and nothing waits for a second or third launch (the
     single-pass "last block" pattern of CUDA's threadFenceReduction sample). PEN: as
-    :func:`stats_kernel`'s."""
+    :func:`stats_kernel`'s.
+
+    A program reads its split when the row's j is at most the request's k_given (a row after
+    a placeholder, -1, too: its statistics are never used), without waiting for the draft
+    ids (k_given's look-up used to be followed by k dependent loads of ids before a row's
+    first logit was read): only a drawing program reads them, J_BLOCK at a time, to find
+    k_eff, which the finishing program reuses with the request's first row and draft row."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -550,16 +589,23 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
            aslot_ptr, amask_ptr, AV)
     req = tl.load(row_req_ptr + r)
     j = tl.load(row_j_ptr + r)
-    k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, False)
-    live = j <= k_eff
     t = tl.load(temp_ptr + req)
-    _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f_ptr,
+    kg = tl.load(k_given_ptr + req)
+    dstart = tl.load(draft_start_ptr + req)
+    _split_stats(x_ptr, stride, V, r, s, j <= kg, t, part_m_ptr, part_s_ptr, part_f_ptr,
                  tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT, req, j, pen, False, True,
                  False, PEN, TPC, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr + r, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:
         tl.store(done_ptr + r, 0)
+        if kg > J_BLOCK:
+            k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, True)
+        else:
+            lanes = tl.arange(0, J_BLOCK)
+            ids = tl.load(draft_ids_ptr + dstart + lanes, mask=lanes < kg, other=0)
+            k_eff = tl.minimum(kg, tl.min(tl.where(ids == -1, lanes, kg), axis=0))
+        live = j <= k_eff
         # (the cut and the ranking's pointers are never read: unfiltered, no ranking)
         _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr,
                   seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
@@ -573,14 +619,15 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
             if rows_done == k_eff:
                 tl.store(req_done, 0)
                 # (no draft distribution: the draft and block arguments are never read)
-                _finish_request(req, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
+                _finish_request(req, (k_eff, r - j, dstart), x_ptr, stride, V, temp_ptr,
+                                req_temp_ptr, seed_lo_ptr,
                                 seed_hi_ptr, pos_ptr, row_start_ptr, draft_start_ptr,
                                 k_given_ptr, draft_ids_ptr, out_y_ptr, out_stats_ptr,
                                 part_m_ptr, 0, 1, part_m_ptr,
                                 out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr,
                                 res_row_ptr, K, part_m_ptr, part_f_ptr,
                                 part_m_ptr, part_m_ptr, 1, 0, lp_proc_ptr, lp_v_ptr, lp_i_ptr,
-                                lp0, pen, False, False, False, False, 0, S_MAX)
+                                lp0, pen, False, False, False, False, 0, S_MAX, True)
 
 
 @triton.jit
@@ -593,7 +640,13 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
     """Row ``r``'s statistics and token (:func:`sample_kernel`); ``t`` the temperature of
     the row's pass (0 for greedy rows)."""
     t = tl.where(t > 0, t, 1.0)
-    m, logz, flags = _row_stats(part_m_ptr, part_s_ptr, part_f_ptr, r, S, t, False, S_MAX)
+    parts = _load_parts(part_m_ptr, part_s_ptr, part_f_ptr, r, S, S_MAX)
+    sampled = tl.load(req_temp_ptr + req) > 0
+    seed_lo = tl.load(seed_lo_ptr + req)
+    seed_hi = tl.load(seed_hi_ptr + req)
+    pos = tl.load(pos_ptr + req) + j
+    first = _first_tiles(tilemax_ptr, tilesum_ptr, r, NT, seed_lo, seed_hi, pos, sampled)
+    m, logz, flags = _combine_parts(parts[0], parts[1], parts[2], t, False)
     y = 0
     ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
     cut_v = -float("inf")
@@ -603,10 +656,9 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
         cut_i = tl.load(cut_i_ptr + r)
         if cut_v > -float("inf"):
             logz = _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t)
-    if ok & (tl.load(req_temp_ptr + req) > 0):
-        y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT,
-                          tl.load(seed_lo_ptr + req), tl.load(seed_hi_ptr + req),
-                          tl.load(pos_ptr + req) + j, cut_v, cut_i, req, j, pen, PEN, BLOCK)
+    if ok & sampled:
+        y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo,
+                          seed_hi, pos, first, cut_v, cut_i, req, j, pen, PEN, BLOCK)
     elif ok:
         y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
@@ -716,28 +768,34 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
            aslot_ptr, amask_ptr, AV)
-    _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
-                    pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
-                    stats_ptr, d_ptr, dstride, DV, dstats_ptr,
+    _finish_request(i, (0, 0, 0), x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
+                    seed_hi_ptr, pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr,
+                    draft_ids_ptr, y_ptr, stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, HAS_DRAFT, DRAFT_PROBS,
-                    BLOCK_METHOD, RHO_ONLY, PEN, S_MAX)
+                    BLOCK_METHOD, RHO_ONLY, PEN, S_MAX, False)
 
 
 @triton.jit
-def _finish_request(i, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+def _finish_request(i, known, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                     pos_ptr, row_start_ptr, draft_start_ptr, k_given_ptr, draft_ids_ptr, y_ptr,
                     stats_ptr, d_ptr, dstride, DV, dstats_ptr,
                     out_tok_ptr, out_nacc_ptr, out_err_ptr, out_invalid_ptr, res_row_ptr,
                     K, cut_v_ptr, cut_i_ptr, rho_row_ptr, bmass_ptr, SB, filtered,
                     lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, HAS_DRAFT: tl.constexpr,
                     DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                    RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr):
-    """The work of :func:`finish_kernel` for request ``i``."""
-    k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i, True)
-    start = tl.load(row_start_ptr + i)
-    dstart = tl.load(draft_start_ptr + i)
+                    RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr,
+                    K_KNOWN: tl.constexpr):
+    """The work of :func:`finish_kernel` for request ``i``; with K_KNOWN, ``known`` is its
+    (k_eff, first row, first draft row), which ``stats_draw_kernel``'s finishing program
+    already has (two dependent loads fewer before the walk's)."""
+    if K_KNOWN:
+        k, start, dstart = known
+    else:
+        k = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, i, True)
+        start = tl.load(row_start_ptr + i)
+        dstart = tl.load(draft_start_ptr + i)
     seed_lo = tl.load(seed_lo_ptr + i)
     seed_hi = tl.load(seed_hi_ptr + i)
     pos0 = tl.load(pos_ptr + i)
@@ -931,7 +989,7 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
     rejected = (use_dist != 0) & (matching == 0) & ~invalid
     if HAS_DRAFT:
         tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
-    emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
+        emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
     processed = tl.load(lp_proc_ptr + i) != 0
     for j0 in range(0, K + 1, J_BLOCK):
