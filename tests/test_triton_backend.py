@@ -182,6 +182,29 @@ def test_more_drafts_than_one_finish_step(kind, method):
     assert (out.num_accepted.cpu() >= 8).any()
 
 
+def test_single_launch_never_uses_rows_after_a_placeholder():
+    """The single launch skips a row whose draft j - 1 is a placeholder and reads (without
+    using) a row after the first placeholder that a draft follows: NaN rows after
+    placeholders, in both kinds, leave the requests valid, with the torch backend's tokens."""
+    v = 300
+    ks = [3, 3, 3, 0]
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(sum(ks) + 4, v, generator=gen) * 2
+    d = logits[[0, 1, 2, 4, 5, 6, 8, 9, 10]].argmax(-1)
+    d[0] = -1  # request 0: [-1, d, d]: row 1 skipped, rows 2 and 3 read
+    d[4] = d[5] = -1  # request 1: [d, -1, -1]: rows 2 and 3 skipped
+    logits[[2, 3, 6, 7]] = float("nan")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=2)]
+    batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
+    paths.reset()
+    out, path = _compare(logits.to(DEVICE), d.to(DEVICE), ks, batch,
+                         torch.arange(4).to(DEVICE), {}, "token")
+    assert path == "triton.verify.fused" and "triton.one_launch" in paths.counts()
+    assert not out.invalid.any() and out.num_accepted.tolist()[0] == 0
+    assert out.num_accepted.tolist()[2] == 3  # (greedy drafts that are the argmax)
+
+
 @pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
 def test_block_masses_only_where_they_can_change_tau(kind):
     """Block verification sums Z_j only for the draft rows whose h_j can still decide tau:

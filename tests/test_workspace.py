@@ -343,34 +343,40 @@ def test_captured_single_launch_leaves_its_counters_zero(cpu_capture, monkeypatc
     # to 0 (a graph replays it with the same slice, and no fill node): after a "captured"
     # call the slice is zero again, and the tokens are the eager call's.
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    # (rows that are not live too: a placeholder at j = 0 and at j = 1, a request without
+    # drafts, a greedy request)
     v = 700
     batch = SamplingBatch.from_params(
-        [SamplingParams(temperature=0.8, seed=i) for i in range(3)] + [SamplingParams()],
+        [SamplingParams(temperature=0.8, seed=i) for i in range(4)] + [SamplingParams()],
         vocab_size=v)
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(12, v, generator=g) * 3
-    drafts = torch.randint(0, v, (8,), generator=g)
-    pos = torch.arange(4)
-    captured = specsample.verify(rows, drafts, [2] * 4, batch, positions=pos, strict=False)
-    sampled = specsample.sample(rows[:4], batch, positions=pos, strict=False)
+    ks = [2, 2, 0, 2, 3]
+    rows = torch.randn(sum(ks) + 5, v, generator=g) * 3
+    drafts = torch.randint(0, v, (sum(ks),), generator=g)
+    drafts[0] = drafts[3] = -1
+    pos = torch.arange(5)
+    captured = specsample.verify(rows, drafts, ks, batch, positions=pos, strict=False)
+    sampled = specsample.sample(rows[:5], batch, positions=pos, strict=False)
     assert cpu_capture.used > 0 and cpu_capture.counters.eq(0).all()
     assert cpu_capture.zeros.eq(0).all()
     assert "triton.one_launch" in paths.counts()
     assert not any(k.startswith("workspace.capture_fill") for k in paths.counts())
     monkeypatch.setattr(workspace, "_capturing_now", lambda d: False)
-    eager = specsample.verify(rows, drafts, [2] * 4, batch, positions=pos, strict=False)
+    eager = specsample.verify(rows, drafts, ks, batch, positions=pos, strict=False)
     assert torch.equal(captured.token_ids, eager.token_ids)
+    assert captured.num_accepted[0] == 0 and captured.num_accepted[1] <= 1
     assert torch.equal(sampled.token_ids,
-                       specsample.sample(rows[:4], batch, positions=pos).token_ids)
+                       specsample.sample(rows[:5], batch, positions=pos).token_ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_calls_hold_no_fill_nodes():
     # verify() and sample() on the single launch captured into graphs: each replay runs that
-    # one kernel (no fill of counters or placeholders before it); two graphs captured alike
-    # and replayed in turn with new logits give the eager tokens (their counters are their
-    # own); with the capture counters used up, a counted fill node keeps the result right.
+    # one kernel (no fill or memset of counters or placeholders before it); each capture
+    # takes its own slice of the capture counters, and two graphs captured alike and
+    # replayed in turn with new logits give the eager tokens; with the capture counters used
+    # up, a counted fill node keeps the result right.
     from torch.profiler import ProfilerActivity, profile
 
     from specsample.bench import capture_graph
@@ -387,17 +393,26 @@ def test_captured_calls_hold_no_fill_nodes():
     drafts = torch.randint(0, v, (4 * n,), generator=gen, device="cuda")
     static = [logits(5 * n), logits(5 * n), logits(n)]
     paths.reset()
-    graphs = [capture_graph(lambda x=x: specsample.verify(
-        x, drafts, [4] * n, batch, positions=pos, strict=False)) for x in static[:2]]
+    specsample.sample(static[2], batch, positions=pos)  # (the capture memory exists now)
+    mem = workspace._CAPTURE_MEMORY[torch.device("cuda", torch.cuda.current_device())]
+    used = [mem.used]
+    graphs = []
+    for x in static[:2]:
+        graphs.append(capture_graph(lambda x=x: specsample.verify(
+            x, drafts, [4] * n, batch, positions=pos, strict=False)))
+        used.append(mem.used)
     graphs.append(capture_graph(lambda: specsample.sample(static[2], batch, positions=pos,
                                                           strict=False)))
+    used.append(mem.used)
+    # (counters [rows + requests], slices rounded up to 16 bytes)
+    assert [b - a for a, b in zip(used, used[1:])] == [5 * n + n, 5 * n + n, n + n]
     assert not any(k.startswith("workspace.capture_fill") for k in paths.counts())
     for graph, _out in graphs:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph.replay()
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-        assert [k for k in names if "Fill" in k or "fill" in k] == []
+        assert [k for k in names if "fill" in k.lower() or "memset" in k.lower()] == []
         assert any("stats_draw_kernel" in k for k in names)
     for _ in range(3):
         for x in static:
@@ -410,7 +425,6 @@ def test_captured_calls_hold_no_fill_nodes():
             else:
                 want = specsample.verify(x, drafts, [4] * n, batch, positions=pos).token_ids
             assert torch.equal(out.token_ids, want)
-    mem = workspace._CAPTURE_MEMORY[torch.device("cuda", torch.cuda.current_device())]
     kept, mem.used = mem.used, workspace.CAPTURE_COUNTERS
     try:
         graph, out = capture_graph(lambda: specsample.verify(

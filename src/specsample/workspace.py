@@ -78,7 +78,7 @@ def call(device: torch.device):
     the device's capture memory (what :func:`zeros` and :func:`counters` hand out under
     capture, so that no fill is captured)."""
     cap = _capturing_now(device)
-    if not cap and device.type == "cuda" and device not in _CAPTURE_MEMORY:
+    if not cap and device.type == "cuda" and _indexed(device) not in _CAPTURE_MEMORY:
         _capture_memory(device)
     prev = _LOCAL.__dict__.get("call")
     _LOCAL.call = (device, cap, None if cap else _stream_cache(*stream_key(device)))

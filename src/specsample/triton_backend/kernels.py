@@ -17,8 +17,9 @@ The stages of a call:
    and the outputs; the residual kernels then draw a correction over the rejected row pair
    only.
 
-``stats_draw_kernel`` runs stages 1-3 as one launch on eager calls (the last program of a row
-draws it, the last row of a request finishes it; see its docstring).
+``stats_draw_kernel`` runs stages 1-3 as one launch, eager or captured in a CUDA graph, for
+calls without filter kernels, draft distributions or top-n logprobs (the last program of a
+row draws it, the last row of a request finishes it; see its docstring).
 
 The random numbers are ``specsample.rng``'s Philox4x32-10 function bit for bit.
 """
@@ -577,11 +578,13 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     single-pass "last block" pattern of CUDA's threadFenceReduction sample). PEN: as
     :func:`stats_kernel`'s.
 
-    A program reads its split when the row's j is at most the request's k_given (a row after
-    a placeholder, -1, too: its statistics are never used), without waiting for the draft
-    ids (k_given's look-up used to be followed by k dependent loads of ids before a row's
-    first logit was read): only a drawing program reads them, J_BLOCK at a time, to find
-    k_eff, which the finishing program reuses with the request's first row and draft row."""
+    A program reads its split unless its row is past the request's k_given or its draft
+    j - 1 is a placeholder (-1): one load of that id before the row's first logit, not the k
+    dependent loads of ids that finding k_eff one id at a time took (a row after a
+    placeholder that drafts follow is read and never used). Only a drawing program finds
+    k_eff, from one load of up to J_BLOCK ids; the finishing program reuses it, and takes the
+    request's first row as r - j (a request's rows are contiguous) and its first draft row
+    from the same look-up as the ids."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -592,16 +595,19 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     t = tl.load(temp_ptr + req)
     kg = tl.load(k_given_ptr + req)
     dstart = tl.load(draft_start_ptr + req)
-    _split_stats(x_ptr, stride, V, r, s, j <= kg, t, part_m_ptr, part_s_ptr, part_f_ptr,
-                 tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT, req, j, pen, False, True,
-                 False, PEN, TPC, BLOCK)
+    # Read the split unless the row is past k_given or follows a placeholder directly (a
+    # row after a placeholder followed by drafts is read, never used): one load, not k_eff
+    prev = tl.load(draft_ids_ptr + dstart + j - 1, mask=(j >= 1) & (j <= kg), other=0)
+    _split_stats(x_ptr, stride, V, r, s, (j <= kg) & (prev != -1), t, part_m_ptr,
+                 part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, tilemax_ptr, S, CPS, NT,
+                 req, j, pen, False, True, False, PEN, TPC, BLOCK)
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr + r, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:
         tl.store(done_ptr + r, 0)
         if kg > J_BLOCK:
             k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, True)
-        else:
+        else:  # (one load of the ids, not k dependent ones)
             lanes = tl.arange(0, J_BLOCK)
             ids = tl.load(draft_ids_ptr + dstart + lanes, mask=lanes < kg, other=0)
             k_eff = tl.minimum(kg, tl.min(tl.where(ids == -1, lanes, kg), axis=0))
