@@ -184,8 +184,11 @@ def test_more_drafts_than_one_finish_step(kind, method):
 
 def test_single_launch_never_uses_rows_after_a_placeholder():
     """The single launch skips a row whose draft j - 1 is a placeholder and reads (without
-    using) a row after the first placeholder that a draft follows: NaN rows after
-    placeholders, in both kinds, leave the requests valid, with the torch backend's tokens."""
+    using) a row after the first placeholder that a draft follows: a NaN in rows after
+    placeholders, of both kinds, leaves the requests valid, with the torch backend's tokens;
+    the rows' statistics show which were read (a read row's flags are set, an unread row's
+    are 0)."""
+    from specsample import workspace
     v = 300
     ks = [3, 3, 3, 0]
     gen = torch.Generator().manual_seed(5)
@@ -193,7 +196,7 @@ def test_single_launch_never_uses_rows_after_a_placeholder():
     d = logits[[0, 1, 2, 4, 5, 6, 8, 9, 10]].argmax(-1)
     d[0] = -1  # request 0: [-1, d, d]: row 1 skipped, rows 2 and 3 read
     d[4] = d[5] = -1  # request 1: [d, -1, -1]: rows 2 and 3 skipped
-    logits[[2, 3, 6, 7]] = float("nan")
+    logits[[2, 3, 6, 7], 5] = float("nan")
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1),
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=2)]
     batch = SamplingBatch.from_params(params, vocab_size=v, device=DEVICE)
@@ -203,6 +206,9 @@ def test_single_launch_never_uses_rows_after_a_placeholder():
     assert path == "triton.verify.fused" and "triton.one_launch" in paths.counts()
     assert not out.invalid.any() and out.num_accepted.tolist()[0] == 0
     assert out.num_accepted.tolist()[2] == 3  # (greedy drafts that are the argmax)
+    stats = workspace.scratch("stats", (logits.shape[0], 3), torch.float32,
+                              torch.device(DEVICE)).cpu()
+    assert (stats[[2, 3], 2] != 0).all() and (stats[[6, 7], 2] == 0).all()
 
 
 @pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])

@@ -347,7 +347,8 @@ def test_captured_single_launch_leaves_its_counters_zero(cpu_capture, monkeypatc
     # drafts, a greedy request)
     v = 700
     batch = SamplingBatch.from_params(
-        [SamplingParams(temperature=0.8, seed=i) for i in range(4)] + [SamplingParams()],
+        [SamplingParams(temperature=0.8, seed=i) for i in range(4)]
+        + [SamplingParams(temperature=0.0)],
         vocab_size=v)
     g = torch.Generator().manual_seed(0)
     ks = [2, 2, 0, 2, 3]

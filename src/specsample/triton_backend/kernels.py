@@ -582,7 +582,8 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     j - 1 is a placeholder (-1): one load of that id before the row's first logit, not the k
     dependent loads of ids that finding k_eff one id at a time took (a row after a
     placeholder that drafts follow is read and never used). Only a drawing program finds
-    k_eff, from one load of up to J_BLOCK ids; the finishing program reuses it, and takes the
+    k_eff, from one load of up to J_BLOCK ids (ceil(k_given / J_BLOCK) loads past that); the
+    finishing program reuses it, and takes the
     request's first row as r - j (a request's rows are contiguous) and its first draft row
     from the same look-up as the ids."""
     r = tl.program_id(0)
