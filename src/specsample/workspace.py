@@ -62,8 +62,8 @@ def stream_key(device: torch.device) -> tuple[torch.device, int | None]:
     (``device``, None) elsewhere: what per-stream caches key by."""
     if device.type != "cuda":
         return device, None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.device("cuda", index), torch._C._cuda_getCurrentRawStream(index)
+    device = _indexed(device)
+    return device, torch._C._cuda_getCurrentRawStream(device.index)
 
 
 @contextlib.contextmanager
@@ -74,12 +74,8 @@ def call(device: torch.device):
     3-5 us of host time each time on an H200 host; an eager call makes a dozen requests). The
     block must not change the current device or stream or start a capture (``device`` is the
     current CUDA device, as every launch's tensors are), and a :func:`release` inside it takes
-    effect after it. Blocks nest. The first block on a CUDA device outside capture also makes
-    the device's capture memory (what :func:`zeros` and :func:`counters` hand out under
-    capture, so that no fill is captured)."""
+    effect after it. Blocks nest."""
     cap = _capturing_now(device)
-    if not cap and device.type == "cuda" and _indexed(device) not in _CAPTURE_MEMORY:
-        _capture_memory(device)
     prev = _LOCAL.__dict__.get("call")
     _LOCAL.call = (device, cap, None if cap else _stream_cache(*stream_key(device)))
     try:
@@ -120,13 +116,17 @@ def capturing(device: torch.device) -> bool:
 
 def _stream_cache(device: torch.device, stream) -> tuple[dict, dict]:
     """(buffers by (name, dtype), views by (name, shape, dtype)) of this thread on ``device``
-    and ``stream``."""
+    and ``stream``. The first use of a CUDA stream outside capture also makes the device's
+    capture memory if there is none yet (what :func:`zeros` and :func:`counters` hand out
+    under capture, so that no fill is captured)."""
     caches = _LOCAL.__dict__.get("streams")
     if caches is None:
         caches = _LOCAL.streams = collections.OrderedDict()
     key = (device, stream)
     entry = caches.get(key)
     if entry is None:
+        if device.type == "cuda" and device not in _CAPTURE_MEMORY:
+            _capture_memory(device)
         entry = caches[key] = ({}, {})
         while len(caches) > SCRATCH_STREAMS:
             # (the allocator keeps the dropped memory for its stream until the kernels queued
@@ -243,7 +243,7 @@ def _indexed(device: torch.device) -> torch.device:
 
 
 def _capture_memory(device: torch.device) -> None:
-    device = _indexed(device)
+    """Make ``device``'s (indexed) capture memory unless it exists."""
     with _CAPTURE_LOCK:
         if device not in _CAPTURE_MEMORY:
             _CAPTURE_MEMORY[device] = _CaptureMemory(device)

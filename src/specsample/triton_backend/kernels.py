@@ -156,11 +156,17 @@ def _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, LANES: tl.constexpr
     """Drafts of request ``req`` before its first placeholder (-1), else its k_i.
 
     LANES reads J_BLOCK draft ids per load (one load's latency instead of k): for
-    ``finish_kernel`` (a few programs, latency-bound) and the statistics of probability rows.
+    ``finish_kernel`` and ``stats_draw_kernel``'s drawing programs (a few programs,
+    latency-bound) and the statistics of probability rows.
     The statistics of logits keep the scalar loop: with LANES they were slower at B = 128
     (one-hot 85 -> 92 us), while probability rows became much faster (BENCHMARKS.md)."""
-    kg = tl.load(k_given_ptr + req)
-    ds = tl.load(draft_start_ptr + req)
+    return _k_eff_of(draft_ids_ptr, tl.load(draft_start_ptr + req),
+                     tl.load(k_given_ptr + req), LANES)
+
+
+@triton.jit
+def _k_eff_of(draft_ids_ptr, ds, kg, LANES: tl.constexpr):
+    """:func:`_k_eff` of the request whose drafts start at ``ds``, with k_given ``kg``."""
     keff = kg
     if LANES:
         for c in range(0, kg, J_BLOCK):
@@ -411,7 +417,7 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
     (STREAM_SAMPLE_TILE), a sub-tile of it (STREAM_SAMPLE_SUB), then a token of that sub-tile
     with keys (x - m) / t + G (STREAM_SAMPLE); lowest index on ties, as the torch backend.
     With PEN, x is row ``j`` of request ``req`` processed (``penalties.process``). ``first``:
-    :func:`_first_tiles` (the first NT_CHUNK tiles and their noise)."""
+    :func:`_tiles_and_noise` of the first NT_CHUNK tiles."""
     best = tl.full((), -float("inf"), tl.float32)
     bt = 0
     for c in range(0, NT, NT_CHUNK):
@@ -419,8 +425,8 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
         if c == 0:
             tm, ts, has, g = first
         else:
-            tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
-            g = _gumbel(seed_lo, seed_hi, pos, offs, STREAM_SAMPLE_TILE)
+            tm, ts, has, g = _tiles_and_noise(tilemax_ptr, tilesum_ptr, r, NT, offs, seed_lo,
+                                              seed_hi, pos, True)
         lm = (tl.where(has, tm, m) - m) / t + tl.log(tl.where(has, ts, 1.0))
         key = lm + g
         key = tl.where(has, key, -float("inf"))
@@ -451,12 +457,12 @@ def _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_
 
 
 @triton.jit
-def _first_tiles(tilemax_ptr, tilesum_ptr, r, NT, seed_lo, seed_hi, pos, sampled):
-    """Row ``r``'s first NT_CHUNK tiles (:func:`_load_tiles`) and, when ``sampled``, their
-    tile-level noise, for :func:`_tiled_sample`: neither needs the row's statistics, so the
-    draw loads the tiles with the statistics and makes the noise before combining them (one
-    dependent load fewer in a row's latency: at B = 1 about 0.5 us of an H100 launch)."""
-    offs = tl.arange(0, NT_CHUNK)
+def _tiles_and_noise(tilemax_ptr, tilesum_ptr, r, NT, offs, seed_lo, seed_hi, pos, sampled):
+    """Row ``r``'s tiles at ``offs`` (:func:`_load_tiles`) and, when ``sampled``, their
+    tile-level noise: for :func:`_tiled_sample`, whose first NT_CHUNK tiles :func:`_draw_row`
+    takes this way with the row's statistics (neither needs them; the noise is made before
+    they are combined: one dependent load fewer in a row's latency, about 0.5 us of an H100
+    launch at B = 1)."""
     tm, ts, has = _load_tiles(tilemax_ptr, tilesum_ptr, r, NT, offs)
     g = tl.zeros([NT_CHUNK], tl.float32)
     if sampled:
@@ -606,12 +612,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     done = tl.atomic_add(done_ptr + r, 1, sem="acq_rel", scope="gpu")
     if done == S - 1:
         tl.store(done_ptr + r, 0)
-        if kg > J_BLOCK:
-            k_eff = _k_eff(draft_ids_ptr, draft_start_ptr, k_given_ptr, req, True)
-        else:  # (one load of the ids, not k dependent ones)
-            lanes = tl.arange(0, J_BLOCK)
-            ids = tl.load(draft_ids_ptr + dstart + lanes, mask=lanes < kg, other=0)
-            k_eff = tl.minimum(kg, tl.min(tl.where(ids == -1, lanes, kg), axis=0))
+        k_eff = _k_eff_of(draft_ids_ptr, dstart, kg, True)
         live = j <= k_eff
         # (the cut and the ranking's pointers are never read: unfiltered, no ranking)
         _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr,
@@ -652,7 +653,8 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
     seed_lo = tl.load(seed_lo_ptr + req)
     seed_hi = tl.load(seed_hi_ptr + req)
     pos = tl.load(pos_ptr + req) + j
-    first = _first_tiles(tilemax_ptr, tilesum_ptr, r, NT, seed_lo, seed_hi, pos, sampled)
+    first = _tiles_and_noise(tilemax_ptr, tilesum_ptr, r, NT, tl.arange(0, NT_CHUNK), seed_lo,
+                             seed_hi, pos, sampled)
     m, logz, flags = _combine_parts(parts[0], parts[1], parts[2], t, False)
     y = 0
     ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
