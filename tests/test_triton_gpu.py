@@ -371,3 +371,62 @@ def test_one_launch_matches_separate_launches_under_load(n, vocab):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
     done = workspace.counters("draw", (logits.shape[0] + n,), torch.device("cuda"))
     assert not done.any()
+
+
+BAD_ROWS = ["all_nan", "one_nan", "nan_first_chunk", "posinf", "all_neginf", "neginf_one_nan"]
+
+
+def _spoil(row: torch.Tensor, bad: str) -> None:
+    if bad == "all_nan":
+        row.fill_(float("nan"))
+    elif bad == "one_nan":
+        row[row.shape[0] - 3] = float("nan")  # (in the last, partial chunk)
+    elif bad == "nan_first_chunk":
+        row[:4096] = float("nan")
+    elif bad == "posinf":
+        row[7] = float("inf")
+    elif bad == "all_neginf":
+        row.fill_(-float("inf"))
+    else:
+        row.fill_(-float("inf"))
+        row[1000] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", BAD_ROWS)
+@pytest.mark.parametrize("option", ["plain", "top_k", "logprobs", "logit_bias", "draft_logits",
+                                    "sample"])
+def test_error_codes_match_the_torch_backend(dtype, bad, option):
+    # The kernels' per-request error bits equal the torch backend's for every kind of bad
+    # row (what a strict call's message says): NaN anywhere in a row is "NaN or +inf", also
+    # when the whole row, or a whole chunk of it, is NaN (a max that skips NaN must not make
+    # it "no finite logit"); a row of -inf alone is "no finite logit".
+    vocab, n, ks = 151936, 4, [2, 2, 2, 2]
+    gen = torch.Generator().manual_seed(3)
+    kw = {"top_k": dict(top_k=20), "logprobs": dict(logprobs=5),
+          "logit_bias": dict(logit_bias={5: 1.0})}.get(option, {})
+    batch = SamplingBatch.from_params(
+        [SamplingParams(temperature=0.0 if i == 1 else 1.0, seed=i, **kw) for i in range(n)],
+        vocab_size=vocab, device="cuda")
+    sample = option == "sample"
+    rows = n if sample else n + sum(ks)
+    logits = _realistic(rows, vocab, gen, dtype)
+    spoiled = [0, 1] if sample else [1, 3]  # request 0 (T = 1) row 1, request 1 (greedy) row 0
+    for r in spoiled:
+        _spoil(logits[r], bad)
+    d = None if sample else torch.randint(0, vocab, (sum(ks),), generator=gen).cuda()
+    extra = {}
+    if option == "draft_logits":
+        extra["draft_logits"] = _realistic(sum(ks), vocab, gen, dtype)
+        _spoil(extra["draft_logits"][4], bad)  # request 2's first draft row
+    pos = torch.arange(n, device="cuda")
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=[0] * n if sample
+                      else ks, draft_logits=extra.get("draft_logits"), draft_probs=None,
+                      positions=pos, method="token")
+    _, want = torch_backend.verify(plan)
+    assert want[:2].all() and (option != "draft_logits" or want[2])  # (the rows are bad)
+    for separate in (False, True):
+        ctx = triton_backend.separate_launches() if separate else contextlib.nullcontext()
+        with ctx:
+            _, got = triton_backend.run(plan, "sample" if sample else "verify")
+        assert got.tolist() == want.tolist(), (separate, got.tolist(), want.tolist())

@@ -300,11 +300,13 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
                 tsum = tl.sum(tl.exp2((x2 - ref) * scale), axis=1)
                 m_new = tl.maximum(m, cmax)
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                # (an all -inf chunk adds nothing: its factor exp2((0 - m) / T) overflows to
-                # inf when the row's values so far are below about -88 T, and 0 * inf is NaN)
+                # (a chunk whose max is -inf adds its sum unscaled: 0 when every value is
+                # -inf, since its factor exp2((0 - m) / T) overflows to inf when the row's
+                # values so far are below about -88 T, and 0 * inf is NaN; NaN when the
+                # chunk's NaNs are all it holds besides -inf, which the GPU's max skips)
+                csum = tl.sum(tsum, axis=0)
                 acc = acc * tl.exp2((m - m_safe) * scale) + tl.where(
-                    cmax == -float("inf"), 0.0,
-                    tl.sum(tsum, axis=0) * tl.exp2((ref - m_safe) * scale))
+                    cmax == -float("inf"), csum, csum * tl.exp2((ref - m_safe) * scale))
                 m = m_new
                 if WRITE_TILES:
                     tile = c * TPC + tiles0
