@@ -218,7 +218,7 @@ else:
         sources.setdefault(compile_pool.launcher_key(v), set()).add(
             make_launcher({}, dict(enumerate(sig.values())), None))
     out["sources_per_key"] = sorted({len(s) for s in sources.values()})
-wanted = {"sample_kernel", "finish_kernel", "residual_draw_kernel"}
+wanted = {"sample_kernel", "finish_kernel", "residual_kernel"}
 pick, seen = [], set()
 for v in variants:
     if v.name in wanted and v.name not in seen:

@@ -457,6 +457,20 @@ def test_placeholders_and_invalid_rows():
     _compare(logits, d, ks, batch, pos, extra, "token")
 
 
+def _poison_scratch(monkeypatch) -> None:
+    """Every ``workspace.scratch`` intermediate starts as garbage (NaN, -1), so that a kernel
+    that reads one before it is written shows."""
+    from specsample import workspace
+
+    scratch = workspace.scratch
+
+    def poisoned(*args):
+        t = scratch(*args)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(workspace, "scratch", poisoned)
+
+
 @pytest.mark.parametrize("kind,method,lps,one_launch", [
     ("onehot", "token", None, True), ("onehot", "block", [(0, "processed"), (0, "raw")], True),
     ("onehot", "token", [(0, "processed"), (5, "raw")], False),
@@ -474,13 +488,7 @@ def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, on
     from specsample import workspace
     from test_triton_logprobs import _with_logprobs
 
-    scratch = workspace.scratch
-
-    def poisoned(*args):
-        t = scratch(*args)
-        return t.fill_(float("nan") if t.is_floating_point() else -1)
-
-    monkeypatch.setattr(workspace, "scratch", poisoned)
+    _poison_scratch(monkeypatch)
     monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
     monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
     vocab = 8197  # 5 tiles: 3 splits of a row
@@ -526,6 +534,41 @@ def test_one_launch_matches_separate_launches(monkeypatch, kind, method, lps, on
     for name in ("token_ids", "invalid", "logprobs", "logprob_token_ids"):
         a, b = getattr(one, name), getattr(sep, name)
         assert (a is None and b is None) or torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_residual_masses_and_draw_in_one_launch(monkeypatch, kind, method):
+    # A rejected draft distribution's correction (token level, and block verification with
+    # k_i <= 1): kernels.residual_kernel sums the residual's tile masses over several split
+    # programs per request and the last of them draws, through counters that must end at
+    # zero. The masses start as NaN, so a draw made before every split had written its
+    # masses, and not made again after, would show; the torch backend's tokens, a second
+    # call alike. (The interpreter runs the programs one after another: the GPU test
+    # test_residual_in_one_launch_under_load covers them running at once.)
+    from specsample import workspace
+
+    _poison_scratch(monkeypatch)
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    monkeypatch.setattr(triton_backend, "_num_programs_target", lambda device: 64)
+    vocab, n = 10240, 12  # 5 whole tiles: 5 residual splits per request
+    assert triton_backend._splits(n, vocab, 1, torch.device(DEVICE))[0] == 5
+    logits, d, ks, batch, pos, extra = _case(31, n, vocab, torch.bfloat16, kind)
+    if method == "block":  # (k_i <= 1: the residual of token level; k_i >= 2 elsewhere)
+        keep = [sum(ks[:i]) for i in range(n) if ks[i]]
+        rows = [r for i in range(n) for r in range(sum(ks[:i]) + i,
+                                                   sum(ks[:i]) + i + min(ks[i], 1) + 1)]
+        ks = [min(k, 1) for k in ks]
+        logits, d = logits[rows], d[keep]
+        extra = {key: v[keep] for key, v in extra.items()}
+    for _ in range(2):
+        out, ref, _ = run_both(logits, d, ks, batch, pos, extra, method)
+        assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+        assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+        assert not workspace.counters("residual", (n,), logits.device).any()
+    rejected = [i for i in range(n) if ref.num_accepted[i] < ks[i]
+                and batch.params[i].temperature > 0]
+    assert rejected  # (the case it means to be: corrections drawn)
 
 
 @pytest.mark.parametrize("method, processors", [("token", False), ("block", "filters")])
@@ -714,8 +757,8 @@ def test_warmup_calls_cover_every_draft_kind_method_and_dtype(monkeypatch):
 
 
 def test_block_only_warmup_covers_block_calls_of_one_draft(monkeypatch):
-    # A block batch whose k_i are all <= 1 draws its corrections from residual_mass_kernel's
-    # masses, as token level does (block_mass_kernel serves max k >= 2): a warmup for block
+    # A block batch whose k_i are all <= 1 draws its corrections from residual_kernel, as
+    # token level does (block_mass_kernel serves max k >= 2): a warmup for block
     # verification alone must make such calls too, for every draft kind and dtype.
     from specsample import api
 

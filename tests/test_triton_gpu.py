@@ -430,3 +430,36 @@ def test_error_codes_match_the_torch_backend(dtype, bad, option):
         with ctx:
             _, got = triton_backend.run(plan, "sample" if sample else "verify")
         assert got.tolist() == want.tolist(), (separate, got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("kind", ["draft_logits", "draft_probs"])
+@pytest.mark.parametrize("n", [2, 128])
+def test_residual_in_one_launch_under_load(kind, n):
+    # kernels.residual_kernel hands each rejected request from its split programs (which sum
+    # the residual's tile masses) to the one that draws the correction, through an
+    # acquire-release counter: a missing barrier or fence, or two programs drawing, would
+    # show as a token that differs now and then. Many calls with rejections, against the
+    # torch backend, and a graph replay; the counters end at zero.
+    from specsample import workspace
+
+    vocab = 151936
+    logits, d, ks, batch, pos, extra = _inputs(vocab, torch.bfloat16, kind, n=n, seed=n + 7,
+                                                temps=(0.7, 1.0, 0.0, 1.3))
+    d = torch.randint(0, vocab, d.shape, device="cuda",
+                      generator=torch.Generator("cuda").manual_seed(n))  # (rejections)
+    plan = build_plan(logits, batch, draft_token_ids=d, num_draft_tokens=ks,
+                      draft_logits=extra.get("draft_logits"),
+                      draft_probs=extra.get("draft_probs"), positions=pos, method="token")
+    want, _ = torch_backend.verify(plan)
+    sampled = torch.tensor([p.temperature > 0 for p in batch.params], device="cuda")
+    assert ((want.num_accepted < torch.tensor(ks, device="cuda")) & sampled).any()
+    call = functools.partial(specsample.verify, logits, d, ks, batch, positions=pos,
+                             strict=False, **extra)
+    graph, out = capture_graph(call)
+    graph.replay()
+    torch.cuda.synchronize()
+    results = [call() for _ in range(30)] + [out]
+    for got in results:
+        assert torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(got.num_accepted, want.num_accepted)
+    assert not workspace.counters("residual", (n,), torch.device("cuda")).any()

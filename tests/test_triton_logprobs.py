@@ -92,7 +92,7 @@ def test_matches_torch_backend(kind, method, processors, dtype, vocab):
     ("draft_probs", "block", False, torch.float32, 300),
 ])
 def test_logprobs_zero_written_with_the_tokens(kind, method, processors, dtype, vocab):
-    # logprobs = 0 for every request that asks: the requests' finish (and residual_draw_kernel at a
+    # logprobs = 0 for every request that asks: the requests' finish (and the residual draw at a
     # redrawn correction) write column 0 from the statistics, unless a request in raw mode
     # (the default, also of requests not asking) needs a normaliser those do not give
     # (temperature other than 0 / 1, or a filtered batch: the fused kernels' path, tested

@@ -91,7 +91,7 @@ TILES_PER_CHUNK = 2
 STATS_NUM_WARPS = 4
 # block_mass_kernel reads 2 tiles of the target and the draft row per iteration: with 4 the
 # B = 128 call took 246 us, with 2 233 us (H200, BENCHMARKS.md, "The residual draw from block
-# verification's masses"). residual_mass_kernel reads one.
+# verification's masses"). residual_kernel reads one.
 MASS_TILES_PER_CHUNK = 2
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 8
@@ -614,7 +614,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     invalid = torch.empty(n, dtype=torch.bool, device=dev)
     res_row = workspace.scratch("res_row", (n,), torch.int64, dev)
     # logprobs = 0 for everyone, from the statistics alone: the finish writes them with the
-    # tokens (and residual_draw_kernel at a redrawn correction), no launch of their own
+    # tokens (and the residual draw at a redrawn correction), no launch of their own
     lp0 = fused_logprobs and logprobs_kernels.in_finish(plan, general or pen, filtered)
     if lp0:
         lp_v = torch.empty(n, k + 1, 1, dtype=torch.float32, device=dev)
@@ -680,7 +680,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
         # Block verification's Z_j for every draft row at once: rho_j first (a pass over the
         # requests' scalars, which also marks the rows whose Z_j cannot change tau), then the
         # masses of the other rows in parallel over (draft row, split). Their tile masses
-        # serve the residual draw at tau, so residual_mass_kernel is not launched.
+        # serve the residual draw at tau, so residual_kernel is not launched.
         rho_row = workspace.scratch("block.rho", (n_drafts,), torch.float32, dev)
         # Splits sized for one summed row per request (most draft rows are skipped, and a
         # skipping program costs next to nothing), but no coarser than for 32 draft rows:
@@ -703,24 +703,29 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
 
     if plan.has_draft_dist:
         if block_mass:
-            mass = tile_mass
+            # (block verification: rho_tau from rho_row at the draft row of tau, the value
+            # the tile masses were summed with)
+            launch(kernels.residual_draw_kernel)[(n,)](
+                x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
+                plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
+                dstats, res_row, rho_row, tile_mass, nt, 1,
+                token_ids, k, cut_v, cut_i, int(filtered), *lp_args, *dist_pen_args,
+                DRAFT_PROBS=is_probs, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps,
+                **dist_options)
         else:
+            # The residual's tile masses and draw in one launch (rho_tau = 1). Uncapped, its
+            # draw's 106-109 registers (ptxas, sm_90a) leave fewer mass programs per SM than
+            # the separate mass kernel's 32-58, yet capped at 64 it was no faster (H100,
+            # BENCHMARKS.md, "The residual's masses and draw in one launch")
             mass = workspace.scratch("residual.mass", (n, nt), torch.float32, dev)
             rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
-            launch(kernels.residual_mass_kernel)[(n, rs)](
-                x, x.stride(0), plan.vocab_size, temp, req_temp, stats, plan.row_start,
-                plan.draft_start, draft, dstride, dv, dstats,
-                res_row, mass, nt, rcps, cut_v, cut_i, *dist_pen_args, DRAFT_PROBS=is_probs,
-                FILTERED=filtered, PEN=dist_pen, TPC=1, BLOCK=BLOCK, num_warps=warps,
+            launch(kernels.residual_kernel)[(n, rs)](
+                x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
+                plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
+                dstats, res_row, mass, nt, rcps, workspace.counters("residual", (n,), dev),
+                token_ids, k, cut_v, cut_i, *lp_args, *dist_pen_args, DRAFT_PROBS=is_probs,
+                FILTERED=filtered, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps,
                 **dist_options)
-        # (block verification: rho_tau from rho_row at the draft row of tau, the value the
-        # tile masses were summed with; else rho_tau = 1 and rho_row is not read)
-        launch(kernels.residual_draw_kernel)[(n,)](
-            x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
-            plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-            dstats, res_row, rho_row, mass, nt, int(block_mass),
-            token_ids, k, cut_v, cut_i, int(filtered), *lp_args, *dist_pen_args,
-            DRAFT_PROBS=is_probs, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps, **dist_options)
     if general:
         err = torch.where(proc_err != 0, proc_err | (err & (ERR_DRAFT_ID | ERR_DRAFT_ROW)), err)
         # The processing sanitised the rows of requests it found invalid (NaN / inf logits,
@@ -964,7 +969,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 calls += 1
                 if method == "block" and "token" not in methods:
                     # block calls whose k_i are all <= 1 draw their corrections from
-                    # residual_mass_kernel's masses, as token level does
+                    # residual_kernel, as token level does
                     verify(rows[:4], drafts[:2], [1, 1], batch, positions=pos, method=method,
                            strict=False, **{key: v[:2] for key, v in extra.items()})
                     calls += 1

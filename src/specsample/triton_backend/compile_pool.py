@@ -308,8 +308,8 @@ def pass_launcher(queue: deque, variant: Variant) -> bool:
 # Kernels whose variants take the longest to compile each, slowest first (the filters' cut
 # about 3 s on a CPU host, the single launch about 1.2 s, the three-level draws 0.6-0.9 s):
 # sent first, so that no worker starts one of them last.
-_SLOW_FIRST = ("select_kernel", "stats_draw_kernel", "sample_kernel", "residual_draw_kernel",
-               "logprob_merge_kernel")
+_SLOW_FIRST = ("select_kernel", "stats_draw_kernel", "sample_kernel", "residual_kernel",
+               "residual_draw_kernel", "logprob_merge_kernel")
 
 # The worker: its stdout goes to stderr before anything is imported, so that nothing but its
 # answers (on a duplicate of the original stdout) reaches the parent.

@@ -889,7 +889,7 @@ def _finish_request(i, known, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_
                 if RHO_ONLY:
                     # Z_j matters only if eta_j <= rho_j, since h_j <= rho_j (Z_j <= rho_j);
                     # row 0 (rho_0 = 1) is the residual's row when tau ends at 0, so its mass
-                    # is summed with the others (no residual_mass_kernel launch)
+                    # is summed with the others (no residual_kernel launch)
                     tl.store(rho_row_ptr + dr, tl.where((j == 0) | (u <= rho_j), rho_j, -1.0),
                              mask=is_draft)
                 else:
@@ -993,10 +993,10 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
     """The outputs of ``finish_kernel`` for request ``i``, J_BLOCK positions at a time."""
     invalid = err != 0
     n_acc = tl.where(invalid, 0, n_acc)
-    # A rejected draft distribution: residual_draw_kernel draws the correction from
-    # max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level), from the tile masses
-    # of residual_mass_kernel (block verification: block_mass_kernel's, and rho_tau from
-    # rho_row), and overwrites the token written here.
+    # A rejected draft distribution: residual_kernel draws the correction from
+    # max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level) from the tile masses
+    # it sums (block verification: residual_draw_kernel from block_mass_kernel's, and
+    # rho_tau from rho_row), and overwrites the token written here.
     rejected = (use_dist != 0) & (matching == 0) & ~invalid
     if HAS_DRAFT:
         tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
@@ -1063,37 +1063,6 @@ def _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, rho, t, m, logz, dr, d
 
 
 @triton.jit(**_NOSPEC)
-def residual_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
-                         draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, res_row_ptr,
-                         mass_ptr, NT, CPS, cut_v_ptr, cut_i_ptr, draft_ids_ptr, rep_ptr,
-                         freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-                         bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
-                         DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                         PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (request, split) of a request whose draft was rejected: the mass of the residual
-    w = max(p - q, 0) in each tile of the split's CPS chunks (the rejected target / draft row
-    pair is read once, in parallel over splits). Writes mass [N, NT]. (rho_tau is 1: token
-    level, and block verification when no request has two drafts, where a rejected block
-    has tau = 0; other block batches draw from ``block_mass_kernel``'s masses.) PEN: the
-    target rows are processed with the batch's logit_bias and penalties (``stats_kernel``)."""
-    i = tl.program_id(0)
-    s = tl.program_id(1)
-    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
-           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
-           aslot_ptr, amask_ptr, AV)
-    r = tl.load(res_row_ptr + i)
-    if r >= 0:
-        t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
-            temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
-            r, cut_v_ptr, cut_i_ptr, FILTERED)
-        nc = tl.cdiv(NT, TPC)
-        _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.full((), 1.0, tl.float32), t,
-                     m, logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
-                     tl.minimum(s * CPS + CPS, nc), mass_ptr, i, NT, i,
-                     r - tl.load(row_start_ptr + i), pen, DRAFT_PROBS, PEN, TPC, BLOCK)
-
-
-@triton.jit(**_NOSPEC)
 def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr,
                       draft_start_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, d_ptr, dstride,
                       DV, dstats_ptr, rho_row_ptr, bmass_ptr,
@@ -1110,7 +1079,7 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     of the batch at once instead of one request's rows in series; and the tile masses
     tmass [drafts, NT] of the rows it reads, from which ``residual_draw_kernel`` draws the
     correction at row tau (it is one of them: eta_tau <= rho_tau, or tau = 0). PEN: as
-    :func:`residual_mass_kernel`'s."""
+    :func:`residual_kernel`'s."""
     dr = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -1142,68 +1111,131 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                          DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
                          BLOCK: tl.constexpr):
-    """Per request whose draft was rejected: the exact three-level Gumbel-max draw from the
-    residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of it,
-    STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target sample
-    when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
-    (``residual_mass_kernel``) and rho_tau is 1; with ``by_draft_row`` both are read at the
-    draft row of the rejected position: mass [drafts, NT] and rho_row [drafts]
-    (``block_mass_kernel``'s masses and the ratios they were summed with). Overwrites the
-    correction token (and, with ``lp0``, its logprob: ``finish_kernel``). PEN: as
-    :func:`residual_mass_kernel`'s."""
+    """Per request whose draft was rejected: :func:`_residual_draw` from the tile masses of
+    ``block_mass_kernel`` (``by_draft_row`` 1: mass [drafts, NT] and rho_row [drafts], read at
+    the draft row of the rejected position) or of a mass [N, NT] per request with rho_tau 1
+    (``by_draft_row`` 0). Token level (and block verification without a second draft) draws
+    in :func:`residual_kernel` instead, in the launch that sums the masses."""
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
            aslot_ptr, amask_ptr, AV)
     r = tl.load(res_row_ptr + i)
     if r >= 0:
-        start = tl.load(row_start_ptr + i)
-        j = r - start
-        mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
-        # the row pair's statistics, loaded while the tile masses are
+        _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
+                       seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr,
+                       d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, by_draft_row,
+                       out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
+                       lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+
+
+@triton.jit(**_NOSPEC)
+def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+                    pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
+                    DV, dstats_ptr, res_row_ptr, mass_ptr, NT, CPS, done_ptr, out_tok_ptr, K,
+                    cut_v_ptr, cut_i_ptr, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr,
+                    rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
+                    bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
+                    DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
+                    PEN: tl.constexpr, BLOCK: tl.constexpr):
+    """The residual of every request whose draft was rejected (res_row >= 0), rho_tau 1
+    (token level, and block verification when no request has two drafts, where a rejected
+    block has tau = 0), in one launch of grid (N, S): program (i, s) writes the masses of
+    w = max(p - q, 0) in the tiles of its CPS chunks of the rejected target / draft row pair
+    (mass [N, NT]), then adds 1 to the request's counter ``done_ptr[i]`` with an
+    acquire-release atomic at GPU scope (after a barrier of its own threads); the program
+    that reads S - 1 follows every other split's writes, sets the counter back to 0 and
+    draws the correction (:func:`_residual_draw`), while other requests' masses are still
+    being summed: no second launch (the pattern of :func:`stats_draw_kernel`). ``done_ptr``
+    [N] int32 is all zeros before the launch and after it. PEN: the target rows are processed
+    with the batch's logit_bias and penalties (``stats_kernel``)."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
+           bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
+           aslot_ptr, amask_ptr, AV)
+    r = tl.load(res_row_ptr + i)
+    if r >= 0:
         t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
             temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
-            r, cut_v_ptr, cut_i_ptr, filtered)
-        rho = tl.load(rho_row_ptr + mrow, mask=by_draft_row != 0, other=1.0)
-        seed_lo = tl.load(seed_lo_ptr + i)
-        seed_hi = tl.load(seed_hi_ptr + i)
-        pos = tl.load(pos_ptr + i) + j
-        best = tl.full((), -float("inf"), tl.float32)
-        bt = 0
-        for c in range(0, NT, NT_CHUNK):
-            offs = c + tl.arange(0, NT_CHUNK)
-            ok = offs < NT
-            mass = tl.load(mass_ptr + mrow.to(tl.int64) * NT + offs, mask=ok, other=0.0)
-            has = ok & (mass > 0)
-            key = tl.log(tl.where(has, mass, 1.0)) + _gumbel(
-                seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL_TILE)
-            key = tl.where(has, key, -float("inf"))
-            kmax = tl.max(key, axis=0)
-            kidx = tl.argmax(key, axis=0) + c
-            bt = tl.where(kmax > best, kidx, bt)
-            best = tl.maximum(best, kmax)
-        tok = tl.load(y_ptr + r)
-        if best > -float("inf"):
-            offs = bt * BLOCK + tl.arange(0, BLOCK)
-            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, bt * BLOCK, cut_v, cut_i, i, j, pen,
-                                  DRAFT_PROBS, PEN)
-            logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
-            sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
-            # The chosen sub-tile only (weights recomputed from cached rows): noise for
-            # SUBTILE tokens, not BLOCK (a sixteenth of the Philox code to compile and run)
-            offs = sb * SUBTILE + tl.arange(0, SUBTILE)
-            w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
-                                  dlogz, dt, rho, offs, sb * SUBTILE, cut_v, cut_i, i, j, pen,
-                                  DRAFT_PROBS, PEN)
-            logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
-            key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
-            key = tl.where(w > 0, key, -float("inf"))
-            tok = (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
-        o = i.to(tl.int64) * (K + 1) + j
-        tl.store(out_tok_ptr + o, tok.to(tl.int64))
-        if lp0 != 0:
-            lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, t, stats_ptr, cut_v_ptr,
-                                  cut_i_ptr, filtered, tl.load(lp_proc_ptr + i) != 0)
-            tl.store(lp_v_ptr + o, lp)
-            tl.store(lp_i_ptr + o, tok.to(tl.int64))
+            r, cut_v_ptr, cut_i_ptr, FILTERED)
+        _mass_chunks(x_ptr, stride, V, d_ptr, dstride, DV, r, tl.full((), 1.0, tl.float32), t,
+                     m, logz, dr, dt, dm, dlogz, cut_v, cut_i, s * CPS,
+                     tl.minimum(s * CPS + CPS, NT), mass_ptr, i, NT, i,
+                     r - tl.load(row_start_ptr + i), pen, DRAFT_PROBS, PEN, 1, BLOCK)
+        tl.debug_barrier()
+        done = tl.atomic_add(done_ptr + i, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            tl.store(done_ptr + i, 0)
+            # (rho_row is never read with by_draft_row 0)
+            _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
+                           seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr,
+                           draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, mass_ptr, mass_ptr,
+                           NT, 0, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, FILTERED, lp_proc_ptr,
+                           lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+
+
+@triton.jit
+def _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+                   pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
+                   DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, by_draft_row, out_tok_ptr, K,
+                   cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen,
+                   DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Request ``i``'s correction at its rejected row ``r``: the exact three-level Gumbel-max
+    draw from the residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of
+    it, STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target
+    sample when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
+    with rho_tau 1, or with ``by_draft_row`` mass [drafts, NT] and rho_row [drafts] at the
+    draft row of the rejected position (``block_mass_kernel``'s masses and the ratios they
+    were summed with). Overwrites the correction token (and, with ``lp0``, its logprob:
+    ``finish_kernel``). PEN: as :func:`residual_kernel`'s."""
+    start = tl.load(row_start_ptr + i)
+    j = r - start
+    mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
+    # the row pair's statistics, loaded while the tile masses are
+    t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
+        temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
+        r, cut_v_ptr, cut_i_ptr, filtered)
+    rho = tl.load(rho_row_ptr + mrow, mask=by_draft_row != 0, other=1.0)
+    seed_lo = tl.load(seed_lo_ptr + i)
+    seed_hi = tl.load(seed_hi_ptr + i)
+    pos = tl.load(pos_ptr + i) + j
+    best = tl.full((), -float("inf"), tl.float32)
+    bt = 0
+    for c in range(0, NT, NT_CHUNK):
+        offs = c + tl.arange(0, NT_CHUNK)
+        ok = offs < NT
+        mass = tl.load(mass_ptr + mrow.to(tl.int64) * NT + offs, mask=ok, other=0.0)
+        has = ok & (mass > 0)
+        key = tl.log(tl.where(has, mass, 1.0)) + _gumbel(
+            seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL_TILE)
+        key = tl.where(has, key, -float("inf"))
+        kmax = tl.max(key, axis=0)
+        kidx = tl.argmax(key, axis=0) + c
+        bt = tl.where(kmax > best, kidx, bt)
+        best = tl.maximum(best, kmax)
+    tok = tl.load(y_ptr + r)
+    if best > -float("inf"):
+        offs = bt * BLOCK + tl.arange(0, BLOCK)
+        w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                              dlogz, dt, rho, offs, bt * BLOCK, cut_v, cut_i, i, j, pen,
+                              DRAFT_PROBS, PEN)
+        logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
+        sb = _best_sub(logw, bt, seed_lo, seed_hi, pos, STREAM_RESIDUAL_SUB, BLOCK)
+        # The chosen sub-tile only (weights recomputed from cached rows): noise for
+        # SUBTILE tokens, not BLOCK (a sixteenth of the Philox code to compile and run)
+        offs = sb * SUBTILE + tl.arange(0, SUBTILE)
+        w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
+                              dlogz, dt, rho, offs, sb * SUBTILE, cut_v, cut_i, i, j, pen,
+                              DRAFT_PROBS, PEN)
+        logw = tl.where(w > 0, tl.log(tl.where(w > 0, w, 1.0)), -float("inf"))
+        key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
+        key = tl.where(w > 0, key, -float("inf"))
+        tok = (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
+    o = i.to(tl.int64) * (K + 1) + j
+    tl.store(out_tok_ptr + o, tok.to(tl.int64))
+    if lp0 != 0:
+        lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, t, stats_ptr, cut_v_ptr,
+                              cut_i_ptr, filtered, tl.load(lp_proc_ptr + i) != 0)
+        tl.store(lp_v_ptr + o, lp)
+        tl.store(lp_i_ptr + o, tok.to(tl.int64))

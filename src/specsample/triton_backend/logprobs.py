@@ -21,7 +21,7 @@ So the top n lie in the n best-ranked tiles, at most n(n+1)/2 candidates in all.
 
 When the batch wants column 0 alone and the statistics give it (:func:`in_finish`),
 neither kernel runs: the requests' finish (``kernels.finish_kernel``, or the single launch's)
-writes column 0 with the tokens (and ``kernels.residual_draw_kernel`` at a redrawn
+writes column 0 with the tokens (and ``kernels._residual_draw`` at a redrawn
 correction), saving a launch.
 
 Ranking is by the values before normalisation (the raw logits, the general path's processed
