@@ -1133,9 +1133,11 @@ def run_bench(args: argparse.Namespace) -> int:
             not torch.cuda.is_available()) and all(getattr(args, k) is None
                                                    for k in PROTOCOL_SIZES):
         print("specsample bench: no CUDA device here, and the protocol's full-size cases take "
-              "minutes each on a CPU. Run `specsample bench --cpu-check` (the CPU path per "
-              "option against softmax), `--quick` (smoke-test sizes), or `--device cpu` to run "
-              "the full sizes anyway.", file=sys.stderr)
+              "minutes each on a CPU. Run `specsample bench --cpu-check --threads 1` (the CPU "
+              "path per option against softmax), `--quick --threads 1` (smoke-test sizes), or "
+              "`--device cpu` to run the full sizes anyway (on a small or busy machine, "
+              "--threads 1: torch's default threads can make the timings far too high).",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
