@@ -179,8 +179,9 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor that kernels only read (placeholder ids), kept as :func:`scratch` keeps
     its tensors (per thread and CUDA stream: the fill is queued on the stream that reads it).
-    Under CUDA-graph capture: a view of the device's capture zeros (:func:`call` makes them
-    before the first capture), so the graph holds no fill node for it. Never write it."""
+    Under CUDA-graph capture: a view of the device's capture zeros (made at the first use of
+    a stream outside capture, :func:`_stream_cache`), so the graph holds no fill node for it.
+    Never write it."""
     cap, caches = _state(device)
     if cap:
         mem = _CAPTURE_MEMORY.get(_indexed(device))

@@ -708,7 +708,7 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             launch(kernels.residual_draw_kernel)[(n,)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
                 plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-                dstats, res_row, rho_row, tile_mass, nt, 1,
+                dstats, res_row, rho_row, tile_mass, nt,
                 token_ids, k, cut_v, cut_i, int(filtered), *lp_args, *dist_pen_args,
                 DRAFT_PROBS=is_probs, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps,
                 **dist_options)

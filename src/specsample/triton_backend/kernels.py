@@ -67,7 +67,7 @@ ERR_BANS = tl.constexpr(32)
 # divisibility by 16 is what lets Triton issue 16-byte vector loads (warmup covers the
 # deployment's sizes; the compile guard reports any other).
 _NOSPEC = dict(do_not_specialize=["S", "CPS", "NT", "R", "K", "DS", "DCPS", "SB",
-                                   "filtered", "lp0", "by_draft_row", "draft_kind", "BW", "KP",
+                                   "filtered", "lp0", "draft_kind", "BW", "KP",
                                    "AV"])
 J_BLOCK = tl.constexpr(8)  # positions per step of finish_kernel's output loop
 
@@ -1105,17 +1105,17 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                          pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
                          DV, dstats_ptr, res_row_ptr, rho_row_ptr,
-                         mass_ptr, NT, by_draft_row, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
+                         mass_ptr, NT, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
                          filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr, rep_ptr,
                          freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
                          bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                          DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
                          BLOCK: tl.constexpr):
-    """Per request whose draft was rejected: :func:`_residual_draw` from the tile masses of
-    ``block_mass_kernel`` (``by_draft_row`` 1: mass [drafts, NT] and rho_row [drafts], read at
-    the draft row of the rejected position) or of a mass [N, NT] per request with rho_tau 1
-    (``by_draft_row`` 0). Token level (and block verification without a second draft) draws
-    in :func:`residual_kernel` instead, in the launch that sums the masses."""
+    """Block verification with a second draft: per request whose draft was rejected,
+    :func:`_residual_draw` from ``block_mass_kernel``'s tile masses (mass [drafts, NT] and
+    rho_row [drafts], read at the draft row of the rejected position). Token level (and block
+    verification without a second draft) draws in :func:`residual_kernel` instead, in the
+    launch that sums the masses."""
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
@@ -1124,7 +1124,7 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     if r >= 0:
         _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
                        seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr,
-                       d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, by_draft_row,
+                       d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, True,
                        out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
                        lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
 
@@ -1167,36 +1167,41 @@ def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_
         done = tl.atomic_add(done_ptr + i, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(1) - 1:
             tl.store(done_ptr + i, 0)
-            # (rho_row is never read with by_draft_row 0)
+            # (rho_row is never read without BY_DRAFT_ROW)
             _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
                            seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr,
                            draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, mass_ptr, mass_ptr,
-                           NT, 0, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, FILTERED, lp_proc_ptr,
-                           lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+                           NT, False, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, FILTERED,
+                           lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
 
 
 @triton.jit
 def _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
                    pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                   DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, by_draft_row, out_tok_ptr, K,
-                   cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen,
+                   DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, BY_DRAFT_ROW: tl.constexpr,
+                   out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
+                   lp_i_ptr, lp0, pen,
                    DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Request ``i``'s correction at its rejected row ``r``: the exact three-level Gumbel-max
     draw from the residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of
     it, STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target
     sample when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
-    with rho_tau 1, or with ``by_draft_row`` mass [drafts, NT] and rho_row [drafts] at the
+    with rho_tau 1, or with BY_DRAFT_ROW mass [drafts, NT] and rho_row [drafts] at the
     draft row of the rejected position (``block_mass_kernel``'s masses and the ratios they
     were summed with). Overwrites the correction token (and, with ``lp0``, its logprob:
     ``finish_kernel``). PEN: as :func:`residual_kernel`'s."""
     start = tl.load(row_start_ptr + i)
     j = r - start
-    mrow = tl.where(by_draft_row != 0, tl.load(draft_start_ptr + i) + j, i)
+    mrow = i
+    if BY_DRAFT_ROW:
+        mrow = tl.load(draft_start_ptr + i) + j
     # the row pair's statistics, loaded while the tile masses are
     t, m, logz, dr, dt, dm, dlogz, cut_v, cut_i = _pair_stats(
         temp_ptr, req_temp_ptr, stats_ptr, row_start_ptr, draft_start_ptr, dstats_ptr, i,
         r, cut_v_ptr, cut_i_ptr, filtered)
-    rho = tl.load(rho_row_ptr + mrow, mask=by_draft_row != 0, other=1.0)
+    rho = 1.0
+    if BY_DRAFT_ROW:
+        rho = tl.load(rho_row_ptr + mrow)
     seed_lo = tl.load(seed_lo_ptr + i)
     seed_hi = tl.load(seed_hi_ptr + i)
     pos = tl.load(pos_ptr + i) + j
