@@ -9,6 +9,8 @@ with rank 0's batch, and writes its failures to a file the test reads.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -21,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 import specsample
-from specsample import SamplingBatch, SamplingError, SamplingParams
+from specsample import SamplingBatch, SamplingError, SamplingParams, paths
 
 JOIN_TIMEOUT_S = 150
 
@@ -149,7 +151,8 @@ def _close(a, b, what: str, fails: list, tol: float = 1e-5) -> None:
 def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str,
           draft: str = "onehot", method: str = "token", kinds=None, dtype=torch.float32,
           nan_shard: int | None = None, trim_draft: bool = False, draft_vocab=None,
-          ties: bool = False, fresh: bool = False, device: str = "cpu") -> None:
+          ties: bool = False, fresh: bool = False, device: str = "cpu",
+          logprobs: bool = True, dist_backend: str | None = None) -> None:
     import specsample.distributed as sd
 
     gen = torch.Generator().manual_seed(1000 + case)
@@ -158,6 +161,8 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
     params = [_params(gen, kinds[int(torch.randint(len(kinds), (1,), generator=gen))], vocab,
                       seeded=not fresh and bool(torch.randint(2, (1,), generator=gen)))
               for _ in range(n)]
+    if not logprobs:
+        params = [dataclasses.replace(p, logprobs=None) for p in params]
     k = [0] * n if op == "sample" else [int(torch.randint(4, (1,), generator=gen))
                                         for _ in range(n)]
     rows = n + sum(k)
@@ -210,7 +215,8 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
     try:
         if op == "sample":
             ref = specsample.sample(logits, ref_batch, positions=positions, strict=False)
-            got = sd.sample(local, my_batch, positions=positions, strict=False)
+            with _backend(dist_backend):
+                got = sd.sample(local, my_batch, positions=positions, strict=False)
             pairs = [("token_ids", ref.token_ids, got.token_ids)]
         else:
             kw = {}
@@ -223,8 +229,9 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
             ref = specsample.verify(logits, drafts, k, ref_batch, draft_logits=dl,
                                     draft_probs=dp, positions=positions, method=method,
                                     strict=False)
-            got = sd.verify(local, drafts, k, my_batch, positions=positions, method=method,
-                            strict=False, **kw)
+            with _backend(dist_backend):
+                got = sd.verify(local, drafts, k, my_batch, positions=positions,
+                                method=method, strict=False, **kw)
             pairs = [("token_ids", ref.token_ids, got.token_ids),
                      ("num_accepted", ref.num_accepted, got.num_accepted)]
         pairs += [("invalid", ref.invalid, got.invalid),
@@ -236,6 +243,21 @@ def _case(rank: int, world: int, case: int, report: dict, *, vocab: int, op: str
     except Exception:  # noqa: BLE001
         fails.append(f"{tag}: {traceback.format_exc()}")
     report["cases"] += 1
+
+
+@contextlib.contextmanager
+def _backend(name: str | None):
+    """``$SPECSAMPLE_BACKEND`` set to ``name`` (None: left as it is) inside the block."""
+    before = os.environ.get("SPECSAMPLE_BACKEND")
+    if name is not None:
+        os.environ["SPECSAMPLE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPECSAMPLE_BACKEND", None)
+        else:
+            os.environ["SPECSAMPLE_BACKEND"] = before
 
 
 def _equivalence_cases(rank: int, world: int, report: dict) -> None:
@@ -286,6 +308,68 @@ def test_equivalence_gloo(world):
     assert all(r["cases"] == reports[0]["cases"] > 40 for r in reports)
 
 
+def _kernel_cases(rank: int, world: int, report: dict, device: str = "cpu") -> None:
+    """The Triton launches of the temperature-only path (Triton's interpreter on CPU
+    tensors) against single-device sample() / verify() (the torch backend) on the whole
+    rows; every call must have taken that path."""
+    paths.reset()
+    case = 800
+    v_small = 3000 if world == 3 else 5003  # world 3: S = 1000 < TILE, tiles straddle ranks
+    common = dict(logprobs=False, dist_backend="triton", device=device)
+    vocabs = (v_small, 4099, 20000) + ((151936,) if device != "cpu" else ())
+    for vocab in vocabs:
+        for op in ("sample", "verify"):
+            for kinds in (["greedy"], ["plain"], ["greedy", "plain"]):
+                case += 1
+                _case(rank, world, case, report, vocab=vocab, op=op, kinds=kinds, **common)
+    for method in ("token", "block"):
+        for dtype in (torch.bfloat16, torch.float16):
+            case += 1
+            _case(rank, world, case, report, vocab=v_small, op="verify", dtype=dtype,
+                  method=method, kinds=["greedy", "plain"], **common)
+    for shard in range(world):
+        case += 1
+        _case(rank, world, case, report, vocab=v_small, op="verify", nan_shard=shard,
+              kinds=["greedy", "plain"], **common)
+    case += 1
+    _case(rank, world, case, report, vocab=v_small, op="sample", ties=True,
+          kinds=["greedy", "plain"], **common)
+    case += 1
+    _case(rank, world, case, report, vocab=v_small, op="verify", fresh=True,
+          kinds=["greedy", "plain"], **common)
+    case += 1
+    _case(rank, world, case, report, vocab=4 if world == 3 else 3, op="verify",
+          kinds=["plain", "greedy"], **common)  # world 3, V = 4: the last rank holds nothing
+    taken = paths.counts()
+    other = sorted(p for p in taken if p.startswith("distributed.") and
+                   not p.endswith(".kernels"))
+    if other or sum(v["calls"] for p, v in taken.items() if p.endswith(".kernels")) != (
+            report["cases"]):
+        report["failures"].append(f"paths taken: {taken}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_kernels_equal_single_device_gloo(world):
+    reports = _run_spawned(world, "_kernel_cases")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    assert all(r["cases"] == reports[0]["cases"] > 20 for r in reports)
+
+
+def _kernel_cases_cuda(rank: int, world: int, report: dict) -> None:
+    _kernel_cases(rank, world, report, device="cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3])
+def test_kernels_equal_single_device_gloo_one_gpu(world):
+    # (gloo ranks sharing one GPU: the kernels run compiled; NCCL needs a GPU per rank)
+    reports = _run_spawned(world, "_kernel_cases_cuda")
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    assert all(r["cases"] == reports[0]["cases"] > 20 for r in reports)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -301,8 +385,12 @@ def _expect(report: dict, what: str, exc: type, fn) -> None:
     report["failures"].append(f"{what}: did not raise {exc.__name__}")
 
 
-def _error_cases(rank: int, world: int, report: dict) -> None:
+def _error_cases(rank: int, world: int, report: dict, dist_backend: str | None = None
+                 ) -> None:
     import specsample.distributed as sd
+
+    if dist_backend is not None:  # (the references below run the torch backend)
+        os.environ["SPECSAMPLE_BACKEND"] = dist_backend
 
     vocab = 3001
     s = -(-vocab // world)
@@ -313,11 +401,13 @@ def _error_cases(rank: int, world: int, report: dict) -> None:
     local = _shard(full, rank, world, vocab, gen)
     drafts, k, pos = torch.tensor([1, 2, 3]), [3, 0], torch.tensor([10, 20])
 
-    def good():
-        ref = specsample.verify(full, drafts, k, batch, positions=pos)
-        got = sd.verify(local, drafts, k, batch, positions=pos)
-        if not torch.equal(ref.token_ids, got.token_ids):
-            report["failures"].append("the group is out of step after an error")
+    def good(d=drafts):
+        with _backend("torch"):
+            ref = specsample.verify(full, d, k, batch, positions=pos)
+        got = sd.verify(local, d, k, batch, positions=pos)
+        if not (torch.equal(ref.token_ids, got.token_ids) and
+                torch.equal(ref.num_accepted, got.num_accepted)):
+            report["failures"].append(f"out of step after an error, or wrong: {ref} {got}")
 
     last = rank == world - 1
     # rows differ between ranks (the last rank's call is locally invalid)
@@ -361,18 +451,45 @@ def _error_cases(rank: int, world: int, report: dict) -> None:
     if out.invalid.tolist() != [True, False] or out.token_ids[0].tolist() != [-1] * 4:
         report["failures"].append(f"NaN on one shard: {out}")
     good()
+    # a draft id outside [0, V): that request is invalid
+    wrong = torch.tensor([1, vocab, 3])
+    _expect(report, "strict draft id", SamplingError, lambda: sd.verify(
+        local, wrong, k, batch, positions=pos))
+    out = sd.verify(local, wrong, k, batch, positions=pos, strict=False)
+    if out.invalid.tolist() != [True, False]:
+        report["failures"].append(f"draft id V: {out}")
+    # a -1 placeholder ends the request's drafts
+    good(torch.tensor([full[0].argmax().item(), -1, 3]))
+    # ranks whose backends would take different paths (different collectives), and a
+    # backend setting that fails on one rank only
+    with _backend("torch" if last else "triton"):
+        _expect(report, "path", ValueError, lambda: sd.verify(
+            local, drafts, k, batch, positions=pos))
+    with _backend("tirton" if last else None):
+        _expect(report, "backend", ValueError, lambda: sd.verify(
+            local, drafts, k, batch, positions=pos))
+    good()
     report["cases"] += 1
+    report["paths"] = sorted(paths.counts())
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_errors_raise_on_every_rank(world):
-    reports = _run_spawned(world, "_error_cases")
+def _error_cases_kernels(rank: int, world: int, report: dict) -> None:
+    _error_cases(rank, world, report, dist_backend="triton")
+
+
+@pytest.mark.parametrize("world, path", [(2, "torch"), (3, "torch"), (2, "kernels"),
+                                         (3, "kernels")])
+def test_errors_raise_on_every_rank(world, path):
+    reports = _run_spawned(world, "_error_cases" + ("_kernels" if path == "kernels" else ""))
     fails = [f for r in reports for f in r["failures"]]
     assert not fails, "\n".join(fails[:5])
     for r in reports:
-        assert r["cases"] == 1 and len(r["messages"]) == 8, r.get("messages")
+        assert r["cases"] == 1 and len(r["messages"]) == 11, r.get("messages")
+        assert "distributed.verify." + path in r["paths"], r["paths"]
     # every rank names the problem
     assert any("positions must have shape" in m for m in reports[0]["messages"])
+    assert any("disagree on path" in m for m in reports[0]["messages"])
+    assert any("SPECSAMPLE_BACKEND must be" in m for m in reports[0]["messages"])
 
 
 # ----------------------------------------------------------------------- statistics

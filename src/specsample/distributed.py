@@ -27,6 +27,13 @@ never the logits:
    other ranks' parts of a straddling tile come from step 4), and the best (key, id) of each
    rank inside the sub-tile decides the token (largest key, lowest id).
 
+On the Triton backend (CUDA, or Triton's interpreter on CPU tensors), calls with temperature
+only (no bans, bias, penalties or filters), one-hot drafts and no logprobs run steps 3-5 as
+four Triton launches and three all_gathers of per-row payloads, with no host
+synchronisation after the handshake (``_run_kernels``, ``_distributed_kernels``; path
+``distributed.<op>.kernels``); every other call runs the PyTorch steps below (path
+``distributed.<op>.torch``).
+
 Filters (min_p, top_k, top_p) are decided on the shard's own values with cuts found from
 gathered per-shard candidate lists (``_filter_drop``), logprobs' top-n by merging per-shard
 top-n lists. Bans, logit_bias and penalties reuse ``specsample.processing`` on a full-width
@@ -73,8 +80,10 @@ _MAGIC = 0x5350_4453  # first descriptor word: "SPDS"
 _DESCRIPTOR = ("magic", "status", "vocab_size", "rows", "local columns", "requests",
                "sum(num_draft_tokens)", "num_draft_tokens", "method", "draft kind",
                "logits dtype", "draft dtype", "sampling params", "positions given", "strict",
-               "device type", "draft columns")
+               "device type", "path (Triton launches, PyTorch, PyTorch general)",
+               "draft columns")
 _DTYPES = {dt: i + 1 for i, dt in enumerate(FLOAT_DTYPES)}
+_PATH_KERNELS, _PATH_TORCH, _PATH_GENERAL = 0, 1, 2
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -148,6 +157,10 @@ class _Comm:
             at += p.numel()
         return res
 
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[W, *t.shape] of every rank's ``t`` (one all_gather, no dtype change)."""
+        return self._all_gather(t.reshape(-1)).view(self.world, *t.shape)
+
     def broadcast_from_first(self, t: torch.Tensor) -> torch.Tensor:
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         t = t.to(self.device)
@@ -200,15 +213,15 @@ def _batch_crc(batch: SamplingBatch) -> int:
 
 
 def _handshake(comm: _Comm, desc: list[int] | None, error: str | None,
-               exc: Exception | None = None) -> torch.Tensor:
+               exc: Exception | None = None) -> list[list[int]]:
     """Exchange descriptors; raise the same ValueError on every rank if a rank failed or they
     disagree (a rank whose validation raised something other than ValueError, ``exc``,
-    re-raises that after the exchange, so the others are not left waiting). Returns the [W, D]
-    descriptors."""
+    re-raises that after the exchange, so the others are not left waiting). Returns the W
+    descriptors (compared as host lists: one read of the gathered tensor)."""
     ok = error is None
     row = [_MAGIC, 0 if ok else 1] + (desc if ok else [0] * (len(_DESCRIPTOR) - 2))
-    got = comm.gather_ints(torch.tensor(row, dtype=torch.int64)).cpu()
-    failed = [r for r in range(comm.world) if int(got[r, 1]) != 0]
+    got = comm.gather_ints(torch.tensor(row, dtype=torch.int64)).tolist()
+    failed = [r for r in range(comm.world) if got[r][1] != 0]
     if failed:
         msgs = [None] * comm.world
         dist.all_gather_object(msgs, error, group=comm.group)
@@ -220,13 +233,13 @@ def _handshake(comm: _Comm, desc: list[int] | None, error: str | None,
             raise ValueError(f"{error} (on rank(s) {same}" + (f"; {other})" if other else ")"))
         detail = "; ".join(f"rank {r}: {msgs[r]}" for r in failed)
         raise ValueError(f"specsample.distributed: invalid arguments on another rank: {detail}")
-    if int((got[:, 0] != _MAGIC).sum()):
+    if any(r[0] != _MAGIC for r in got):
         raise ValueError("specsample.distributed: ranks called different collectives")
     for f, name in enumerate(_DESCRIPTOR[:-1]):
-        col = got[:, f]
-        if bool((col != col[0]).any()):
+        col = [r[f] for r in got]
+        if col.count(col[0]) != len(col):
             raise ValueError(f"specsample.distributed: the ranks disagree on {name}: "
-                             f"{col.tolist()} (rank 0 .. {comm.world - 1})")
+                             f"{col} (rank 0 .. {comm.world - 1})")
     return got
 
 
@@ -561,6 +574,7 @@ class _Call:
     x: torch.Tensor  # [T, w] this shard's valid columns of the raw target logits
     draft: torch.Tensor | None  # [S, w'] this shard's valid draft columns (w' <= w)
     draft_vocab: int
+    path: int  # _PATH_KERNELS, _PATH_TORCH or _PATH_GENERAL (agreed in the handshake)
 
 
 def _errors(call: _Call, got: list[torch.Tensor], general: bool) -> tuple[torch.Tensor, ...]:
@@ -674,6 +688,82 @@ def _block_tau(call: _Call, p_x, q_x, z_rows, lse, q, qsum, rows, didx, sampled_
     return tau, rho.gather(1, tau[:, None]).squeeze(1)
 
 
+def _choose_path(plan: Plan, vocab: int, device: torch.device) -> int:
+    """_PATH_KERNELS when the call runs as the Triton launches of ``_run_kernels`` (the
+    Triton backend for the logits' device: CUDA, or Triton's interpreter; temperature only,
+    no bans, bias, penalties or filters; one-hot drafts; no logprobs; ids exact in float32),
+    else _PATH_GENERAL (processors on a float32 scratch) or _PATH_TORCH. Decided before the
+    handshake, which checks that every rank decided the same (the paths run different
+    collectives)."""
+    from .api import select_backend
+
+    batch = plan.batch
+    if batch.needs_general_path:
+        return _PATH_GENERAL
+    if (not batch.needs_filter and not plan.has_draft_dist and batch.max_logprobs < 0
+            and vocab < 2**24 and select_backend(device) == "triton"):
+        return _PATH_KERNELS
+    return _PATH_TORCH
+
+
+def _empty_safe(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a one-element tensor of its dtype when it is empty (never read: a kernel
+    argument needs an address)."""
+    return t if t.numel() else t.new_zeros(1)
+
+
+def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
+    """The call as four Triton launches and three all_gathers of per-row payloads, no host
+    synchronisation (``_distributed_kernels``); the same outputs as :func:`_run`."""
+    from . import _distributed_kernels as dk
+
+    comm, geo, plan = call.comm, call.geo, call.plan
+    batch = plan.batch
+    x = call.x if call.x.stride(1) == 1 or call.x.shape[1] <= 1 else call.x.contiguous()
+    rows, n, k = plan.num_rows, plan.num_requests, plan.max_k
+    dev = x.device
+    off, w = geo.offset(), geo.width()
+    nt = geo.tiles()[1]
+    world = comm.world
+    wb = 1 << (world - 1).bit_length()  # (a power of two >= world)
+    f32 = torch.float32
+    tiles = dict(TILE=rng.TILE, SUB=rng.SUBTILE)
+    keys = (batch.seed_lo, batch.seed_hi, plan.positions)
+    a = torch.empty((rows, dk.PAYLOAD_A), dtype=f32, device=dev)
+    b = torch.empty((rows, dk.PAYLOAD_B), dtype=f32, device=dev)
+    c = torch.empty((rows, dk.PAYLOAD_C), dtype=f32, device=dev)
+    if rows:
+        tm = torch.empty((rows, max(nt, 1)), dtype=f32, device=dev)
+        ts = torch.empty_like(tm)
+        sub = torch.empty((rows, max(nt, 1), dk.NSUB), dtype=f32, device=dev)
+        dk.shard_stats_kernel[(rows,)](x, x.stride(0), w, off, nt, plan.row_req,
+                                       batch.temperature, tm, ts, sub, a, rows,
+                                       PA=dk.PAYLOAD_A, **tiles)
+    ga = comm.gather_rows(a)
+    if rows:
+        dk.shard_keys_kernel[(rows,)](ga, tm, ts, sub, b, plan.row_req, plan.row_j,
+                                      batch.temperature, *keys, rows, world, geo.rank,
+                                      geo.shard, geo.vocab, off, w, nt, PA=dk.PAYLOAD_A,
+                                      PB=dk.PAYLOAD_B, WB=wb, CH=64, **tiles)
+    gb = comm.gather_rows(b)
+    if rows:
+        dk.shard_token_kernel[(rows,)](x, x.stride(0), ga, gb, c, plan.row_req, plan.row_j,
+                                       batch.temperature, *keys, rows, world, off, w,
+                                       PA=dk.PAYLOAD_A, PB=dk.PAYLOAD_B, WB=wb, **tiles)
+    gc = comm.gather_rows(c)
+    tokens = torch.empty((n, k + 1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
+    err = torch.empty(n, dtype=torch.int64, device=dev)
+    invalid = torch.empty(n, dtype=torch.int8, device=dev)
+    if n:  # (the layout comes from host k_i: distributed calls have no plan.layout_err)
+        dk.shard_finish_kernel[(n,)](
+            ga, gc, batch.temperature, plan.row_start, plan.draft_start, plan.k_given,
+            _empty_safe(plan.draft_token_ids), tokens, num_accepted, err, invalid, rows, n, k,
+            world, geo.vocab, PA=dk.PAYLOAD_A, WB=wb)
+    return VerifyOutput(token_ids=tokens, num_accepted=num_accepted, logprobs=None,
+                        logprob_token_ids=None, invalid=invalid.view(torch.bool)), err
+
+
 def _run(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     """The whole call on this rank (every rank runs the same collectives in the same order).
     Mirrors ``torch_backend.verify``."""
@@ -683,7 +773,7 @@ def _run(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     off, w = geo.offset(), geo.width()
     x = call.x
     dev = x.device
-    general = batch.needs_general_path
+    general = call.path == _PATH_GENERAL  # (agreed by every rank in the handshake)
     # 1. Row maxima, first argmax, draft row flags (one all_gather).
     rmax, rarg = _rowmax(x)
     pieces = [rmax, rarg + off]
@@ -947,6 +1037,7 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
                 _DTYPES[local_logits.dtype], 0 if draft is None else _DTYPES[draft.dtype],
                 _batch_crc(batch),
                 int(positions is None), int(strict), int(local_logits.is_cuda),
+                _choose_path(plan, geo.vocab, local_logits.device),
                 0 if draft is None else draft.shape[1]]
     except Exception as e:  # noqa: BLE001 - every rank must reach the handshake
         exc, error = e, f"specsample.distributed.{op}(): {e}"
@@ -954,23 +1045,31 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
     vd = geo.vocab
     xd = None
     if draft is not None:
-        vd = _draft_vocab(geo, [int(v) for v in got[:, -1].tolist()])
+        vd = _draft_vocab(geo, [r[-1] for r in got])
         xd = draft[:, :geo.width(vocab=vd)]
     dev = local_logits.device
     pos = fresh_positions(batch, dev) if positions is None else plan.positions
     if positions is None or any(p.seed is None for p in batch.params):
-        keys = comm.broadcast_from_first(torch.cat([batch.seed_lo.to(dev),
-                                                    batch.seed_hi.to(dev), pos]))
+        # ([3, N] padded to an even N: each row starts 16-byte aligned, as the Triton
+        # kernels were compiled for at warmup)
+        keys = torch.stack([batch.seed_lo.to(dev), batch.seed_hi.to(dev), pos])
         nreq = batch.num_requests
-        batch = dataclasses.replace(batch, seed_lo=keys[:nreq], seed_hi=keys[nreq:2 * nreq])
-        pos = keys[2 * nreq:]
+        if nreq % 2:
+            keys = torch.nn.functional.pad(keys, (0, 1))
+        keys = comm.broadcast_from_first(keys)[:, :nreq]
+        batch = dataclasses.replace(batch, seed_lo=keys[0], seed_hi=keys[1])
+        pos = keys[2]
     plan = dataclasses.replace(plan, batch=batch, positions=pos)
-    return _Call(comm, geo, plan, local_logits[:, :geo.width()], xd, vd)
+    return _Call(comm, geo, plan, local_logits[:, :geo.width()], xd, vd, got[0][-2])
 
 
 def _finish(call: _Call, op: str, strict: bool) -> VerifyOutput:
-    paths.record(f"distributed.{op}", call.plan.num_rows)
-    out, err = _run(call)
+    if call.path == _PATH_KERNELS:
+        paths.record(f"distributed.{op}.kernels", call.plan.num_rows)
+        out, err = _run_kernels(call)
+    else:
+        paths.record(f"distributed.{op}.torch", call.plan.num_rows)
+        out, err = _run(call)
     if strict and bool((err != 0).any()):
         codes = err.tolist()
         raise SamplingError([i for i, c in enumerate(codes) if c],

@@ -13,7 +13,13 @@ with CUDA events (median of ``--iters`` calls after ``--warmup`` calls; rank 0's
 * ``sharded_us``: ``specsample.distributed.verify`` on the shards;
 * ``gather_us``: ``all_gather_into_tensor`` of the shards, the [W, T, S] -> [T, V] copy, then
   single-GPU ``specsample.verify`` (the Triton backend) on the whole rows;
-* ``ratio`` = sharded / gather (the target is at most 0.25 at B = 128, V = 151,936).
+* ``ratio`` = sharded / gather (the target is at most 0.25 at B = 128, V = 151,936);
+* ``path``: the path the sharded call took (``distributed.verify.kernels``: the Triton
+  launches of temperature-only calls; ``distributed.verify.torch``: the PyTorch path), and
+  with ``--torch-path`` the PyTorch path's time where the launches serve the call.
+
+With ``--nproc-per-node 1`` (one GPU) the collectives are trivial: the figures are the host
+work and kernels of one rank holding the whole vocabulary.
 
 Both paths are checked to emit the same tokens. One JSON line per case on stdout (rank 0) and
 all of them in the JSON file given as the argument.
@@ -31,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed as sd
-from . import verify
+from . import paths, verify
 from .bench import onehot_drafts, zipf_logits
 from .params import SamplingBatch, SamplingParams
 
@@ -53,7 +59,8 @@ def _time(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def run_case(vocab: int, b: int, filtered: bool, iters: int, warmup: int) -> dict:
+def run_case(vocab: int, b: int, filtered: bool, iters: int, warmup: int,
+             torch_path: bool = False) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     s = -(-vocab // world)
@@ -81,14 +88,29 @@ def run_case(vocab: int, b: int, filtered: bool, iters: int, warmup: int) -> dic
         whole = gathered.permute(1, 0, 2).reshape(rows, world * s)[:, :vocab]
         return verify(whole, drafts, num_draft, batch, positions=positions, strict=False)
 
+    def sharded_torch():
+        os.environ["SPECSAMPLE_BACKEND"] = "torch"
+        try:
+            return sharded()
+        finally:
+            os.environ.pop("SPECSAMPLE_BACKEND")
+
+    paths.reset()
     a, g = sharded(), gather_then_verify()
+    path = next(p for p in paths.counts() if p.startswith("distributed."))
     same = bool(torch.equal(a.token_ids, g.token_ids))
     t_sharded = _time(sharded, iters, warmup)
     t_gather = _time(gather_then_verify, iters, warmup)
-    return {"vocab": vocab, "B": b, "K": K, "rows": rows, "world": world,
-            "case": "filtered (T 0.7, top_k 50, top_p 0.9)" if filtered else "T 1.0",
-            "sharded_us": round(t_sharded, 1), "gather_us": round(t_gather, 1),
-            "ratio": round(t_sharded / t_gather, 3), "same_tokens": same}
+    res = {"vocab": vocab, "B": b, "K": K, "rows": rows, "world": world,
+           "case": "filtered (T 0.7, top_k 50, top_p 0.9)" if filtered else "T 1.0",
+           "path": path, "sharded_us": round(t_sharded, 1), "gather_us": round(t_gather, 1),
+           "ratio": round(t_sharded / t_gather, 3), "same_tokens": same}
+    if torch_path and path.endswith(".kernels"):
+        t_torch = _time(sharded_torch, max(iters // 5, 3), 2)
+        res["sharded_torch_path_us"] = round(t_torch, 1)
+        res["same_tokens_torch_path"] = bool(torch.equal(sharded_torch().token_ids,
+                                                         a.token_ids))
+    return res
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[151936, 262144])
+    parser.add_argument("--torch-path", action="store_true",
+                        help="also time the PyTorch path of the sharded call where the Triton "
+                             "launches serve it (SPECSAMPLE_BACKEND=torch)")
     args = parser.parse_args(argv)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
     if not torch.cuda.is_available():
@@ -110,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [(v, b, False) for v in args.vocabs for b in args.batches]
         cases += [(args.vocabs[0], b, True) for b in args.batches]
         for vocab, b, filtered in cases:
-            res = run_case(vocab, b, filtered, args.iters, args.warmup)
+            res = run_case(vocab, b, filtered, args.iters, args.warmup, args.torch_path)
             if dist.get_rank() == 0:
                 print(json.dumps(res), flush=True)
             results.append(res)
