@@ -52,7 +52,8 @@ from test_triton_logprobs import _with_logprobs  # noqa: E402
 
 KERNEL_MODULES = ["kernels", "filters", "logprobs", "tree", "layout"]
 # constexpr name -> the value the CUDA launcher passes where the interpreted one differs
-GPU_VALUES = {"CAP": triton_backend.FILTER_CAP}
+# (WB: specsample.distributed's rank lanes, 1 in the one-rank group the test runs)
+GPU_VALUES = {"CAP": triton_backend.FILTER_CAP, "WB": 2}
 SRC = Path(specsample.__file__).resolve().parents[1]  # the subprocess compiles this copy
 
 # Logprob requests cycled over a batch's requests: (n, mode).
@@ -232,6 +233,33 @@ def _calls():
             yield lambda m=mode, kw=kw, lp=lp: _verify_tree(
                 *_tree_case(3, 3, 300, bf16, m, logprobs=lp, **kw))
     yield _captured_tree  # (the walk's third variant: the sibling check)
+    yield _distributed_calls
+
+
+def _distributed_calls():
+    """specsample.distributed's launches (temperature-only calls: shard_pass_kernel and
+    shard_final_kernel) in a one-rank gloo group, for bf16 and fp32 shards."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import specsample.distributed as sd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0,
+                                world_size=1)
+        try:
+            batch = SamplingBatch.from_params(
+                [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)],
+                vocab_size=300, device="cpu")
+            pos = torch.arange(2)
+            for dtype in (torch.bfloat16, torch.float32):
+                logits = torch.randn(5, 300).to(dtype)
+                sd.sample(logits[:2], batch, positions=pos, strict=False)
+                sd.verify(logits, torch.tensor([1, 2, 3]), [2, 1], batch, positions=pos,
+                          strict=False)
+        finally:
+            dist.destroy_process_group()
 
 
 def _captured_tree():

@@ -1,6 +1,10 @@
-"""Triton kernels of specsample.distributed on CUDA: the shard's tile masses in one pass
-over the logits (no float32 copy), and rng's 52-bit uniforms in one launch (the torch version
-of Philox is some hundred small kernels)."""
+"""Triton kernels of specsample.distributed (CUDA, or Triton's interpreter on CPU tensors).
+
+For the PyTorch path: the shard's tile masses in one pass over the logits (no float32 copy),
+and rng's 52-bit uniforms in one launch (the torch version of Philox is some hundred small
+kernels). For temperature-only calls: the two launches of ``distributed._run_kernels``
+(``shard_pass_kernel``, then one all_gather, then ``shard_final_kernel``), described below.
+"""
 
 from __future__ import annotations
 
@@ -90,61 +94,104 @@ def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, pos: torch.Tensor,
     return out
 
 
-# ------------------------------------------------------------- the fast path's four kernels
+# ------------------------------------------------------- temperature-only calls: two launches
 #
-# Calls without processors (temperature only), one-hot drafts and no logprobs run as four
-# launches and three all_gathers of per-row payloads (distributed.py, ``_run_fast``):
+# Calls without processors (temperature only), with one-hot drafts and no logprobs run as
+# ``shard_pass_kernel`` on every rank, one all_gather of its per-row payload, then
+# ``shard_final_kernel`` on every rank (``distributed._run_kernels``). The draw is the
+# single-device three-level Gumbel-max (``rng``: a tile with keys log-mass + G, a sub-tile
+# of it, a token of that sub-tile; tile, sub-tile and token ids global, ties to the lowest
+# id), split so that one exchange suffices:
 #
-# 1. ``shard_stats_kernel``: per row and local tile (``rng.TILE`` columns of the global grid,
-#    partial at the shard's ends) the tile's max, its sum of exp((x - max) / T) and the sums of
-#    its ``rng.SUBTILE`` sub-tiles; per row the payload A: the shard's max (NaN skipped), its
-#    lowest argmax (global id), a NaN / +inf flag, and the first and last tile's partials
-#    (other ranks need them for the tiles that straddle shards);
-# 2. ``shard_keys_kernel`` (after A is gathered): the global max M, then the tile level of the
-#    draw over the tiles that start in this shard (keys log-mass + G, the straddling tile's
-#    other parts from A) and the sub-tile masses of the best one: payload B;
-# 3. ``shard_token_kernel`` (after B is gathered): the winning tile (largest key, lowest id),
-#    its sub-tile by log-mass + G, then this shard's best (key, id) inside that sub-tile:
-#    payload C;
-# 4. ``shard_finish_kernel`` (after C is gathered, one program per request): every row's
-#    token (largest key, lowest id; the lowest argmax for greedy requests), the error bits,
-#    one-hot prefix matching and the outputs.
+# * ``shard_pass_kernel`` (one program per row) reads the shard's columns once, in their
+#   dtype: per local tile its max, and the sums of exp((x - max) / T) of its sub-tiles
+#   (scratch); per row the shard's max m_r (NaN skipped), lowest argmax (global id) and a
+#   NaN / +inf flag. For a sampled row it then keys the tiles that lie in this shard alone
+#   and keeps the best one; for that tile, and for the shard's first and last tile where
+#   another rank holds part of them, it writes the tile's (partial) sub-tile masses and,
+#   per sub-tile, its best token key (x - m_r) / T + G and id. Everything relative to m_r.
+# * ``shard_final_kernel`` (one program per request, every rank alike) takes M = max m_r,
+#   rescales each rank's values by exp((m_r - M) / T), keys the tiles shared by ranks from
+#   their parts, picks the tile (largest key; lowest id on equal keys), its sub-tile from
+#   the summed sub-tile masses, and the token from the parts' per-sub-tile bests. Greedy
+#   requests take the lowest global argmax. Then the error bits, one-hot prefix matching
+#   (drawing a row only when the walk reaches it) and the outputs.
 #
-# The noise is keyed as on one device (tile, sub-tile and token ids are global), so the
-# tokens are those of specsample.sample / verify on the whole rows up to float32 rounding of
-# the masses (which only decides near-ties).
+# The tokens are those of specsample.sample / verify on the whole rows up to float32
+# rounding of the keys and masses (which decides only near-ties).
 
 NSUB = rng.TILE // rng.SUBTILE
-PAYLOAD_A = 8 + 2 * NSUB  # max, argmax, flags, (unused), first (max, sum), last (max, sum), subs
-PAYLOAD_B = 2 + NSUB  # key, tile, sub-tile masses of that tile (relative to M)
-PAYLOAD_C = 2  # key, id
-_NONE = tl.constexpr(16777216.0)  # "no id" in a payload (ids are exact in float32 below 2**24)
+SLOT = 2 + 3 * NSUB  # head (key or mass), tile id, sub-tile masses, per-sub-tile key, id
+PAYLOAD = 3 + 3 * SLOT  # m_r, argmax, flags; slots: best own tile, first tile, last tile
+_NONE = tl.constexpr(16777216.0)  # "no id" in a payload (ids are exact in float32 < 2**24)
 _LOG2E = tl.constexpr(1.4426950408889634)
-_FAST_NOSPEC = dict(do_not_specialize=["R", "N", "K", "nt"])
+_FAST_NOSPEC = dict(do_not_specialize=["R", "K", "nt"])  # (vary per call)
 
 
 @triton.jit
-def _row_temperature(row_req_ptr, temp_ptr, r):
-    """(1 / T of row ``r``'s request, 1 for greedy, and whether it is sampled)."""
-    t = tl.load(temp_ptr + tl.load(row_req_ptr + r))
-    return 1.0 / tl.where(t > 0, t, 1.0), t > 0
+def _inv_temperature(t):
+    """1 / T (1 for a greedy request, T = 0)."""
+    return 1.0 / tl.where(t > 0, t, 1.0)
+
+
+@triton.jit
+def _tile_slot(x_ptr, stride, off, w, r, j, g, head, mref, inv_t, seed_lo, seed_hi, pos,
+               tm_ptr, sub_ptr, nt, slot_ptr, TILE: tl.constexpr, SUB: tl.constexpr):
+    """Write local tile ``j`` (global ``g``) of row ``r`` into a payload slot: ``head``, g,
+    its sub-tile masses relative to ``mref`` (this shard's columns), and per sub-tile the
+    best token key (x - mref) / T + G (STREAM_SAMPLE) and its id (lowest on ties)."""
+    NS: tl.constexpr = TILE // SUB
+    so = tl.arange(0, NS)
+    o_t = r.to(tl.int64) * nt + j
+    tm = tl.load(tm_ptr + o_t)
+    f = tl.where(tm > -float("inf"), tl.exp2((tm - mref) * inv_t * _LOG2E), 0.0)
+    tl.store(slot_ptr, head)
+    tl.store(slot_ptr + 1, g.to(tl.float32))
+    tl.store(slot_ptr + 2 + so, f * tl.load(sub_ptr + o_t * NS + so))
+    ids = g * TILE + tl.arange(0, TILE)
+    cols = ids - off
+    ok = (cols >= 0) & (cols < w)
+    x = tl.load(x_ptr + r.to(tl.int64) * stride + cols, mask=ok,
+                other=-float("inf")).to(tl.float32)
+    fin = ok & (x > -float("inf")) & (x < float("inf"))
+    key = tl.where(fin, (x - mref) * inv_t + _gumbel(seed_lo, seed_hi, pos, ids, STREAM_SAMPLE),
+                   -float("inf"))
+    k2 = tl.reshape(key, (NS, SUB))
+    best = tl.argmax(k2, axis=1)
+    tl.store(slot_ptr + 2 + NS + so, tl.max(k2, axis=1))
+    tl.store(slot_ptr + 2 + 2 * NS + so, ((g * NS + so) * SUB + best).to(tl.float32))
+
+
+@triton.jit
+def _mass(tm, ts, mref, scale):
+    """exp((tm - mref) / T) ts: a tile's mass relative to mref from its max tm and its sum
+    ts relative to tm (0 for a tile of -inf)."""
+    return tl.where(tm > -float("inf"), tl.exp2((tm - mref) * scale) * ts, 0.0)
 
 
 @triton.jit(**_FAST_NOSPEC)
-def shard_stats_kernel(x_ptr, stride, w, off, nt, row_req_ptr, temp_ptr, tm_ptr, ts_ptr,
-                       sub_ptr, a_ptr, R, TILE: tl.constexpr, SUB: tl.constexpr,
-                       PA: tl.constexpr):
+def shard_pass_kernel(x_ptr, stride, w, off, nt, V, row_req_ptr, row_j_ptr, temp_ptr,
+                      seed_lo_ptr, seed_hi_ptr, pos_ptr, scratch_ptr, p_ptr, R,
+                      TILE: tl.constexpr, SUB: tl.constexpr, P: tl.constexpr,
+                      SLOT_W: tl.constexpr, CH: tl.constexpr):
     r = tl.program_id(0)
-    inv_t, _ = _row_temperature(row_req_ptr, temp_ptr, r)
+    NS: tl.constexpr = TILE // SUB
+    # scratch: per local tile its max [R, nt], its sum [R, nt], its sub-tile sums [R, nt, NS]
+    tm_ptr = scratch_ptr
+    ts_ptr = scratch_ptr + R.to(tl.int64) * nt
+    sub_ptr = scratch_ptr + 2 * R.to(tl.int64) * nt
+    req = tl.load(row_req_ptr + r)
+    t = tl.load(temp_ptr + req)
+    inv_t = _inv_temperature(t)
     scale = inv_t * _LOG2E
     g0 = off // TILE
     head = off - g0 * TILE
     row = x_ptr + r.to(tl.int64) * stride
     lane = tl.arange(0, TILE)
+    so = tl.arange(0, NS)
     bad = 0
     rmax = -float("inf")
     rarg = 0
-    o_a = a_ptr + r.to(tl.int64) * PA
     for j in range(0, nt):
         cols = j * TILE - head + lane
         ok = (cols >= 0) & (cols < w)
@@ -153,214 +200,196 @@ def shard_stats_kernel(x_ptr, stride, w, off, nt, row_req_ptr, temp_ptr, tm_ptr,
         bad |= tl.max((ok & (nan | (x == float("inf")))).to(tl.int32), axis=0)
         x = tl.where(nan, -float("inf"), x)
         tm = tl.max(x, axis=0)
-        gid = (g0 + j) * TILE + lane
-        first = tl.min(tl.where(x == tm, gid, 2147483647), axis=0)
+        first = tl.min(tl.where(x == tm, (g0 + j) * TILE + lane, 2147483647), axis=0)
         rarg = tl.where(tm > rmax, first, rarg)
         rmax = tl.maximum(rmax, tm)
         fin = (x > -float("inf")) & (x < float("inf"))
         ref = tl.where((tm > -float("inf")) & (tm < float("inf")), tm, 0.0)
         e = tl.where(fin, tl.exp2((x - ref) * scale), 0.0)
-        sub = tl.sum(tl.reshape(e, (TILE // SUB, SUB)), axis=1)
-        ts = tl.sum(sub, axis=0)
+        sub = tl.sum(tl.reshape(e, (NS, SUB)), axis=1)
         o_t = r.to(tl.int64) * nt + j
         tl.store(tm_ptr + o_t, tm)
-        tl.store(ts_ptr + o_t, ts)
-        so = tl.arange(0, TILE // SUB)
-        tl.store(sub_ptr + o_t * (TILE // SUB) + so, sub)
-        if j == 0:
-            tl.store(o_a + 4, tm)
-            tl.store(o_a + 5, ts)
-            tl.store(o_a + 8 + so, sub)
-        if j == nt - 1:
-            tl.store(o_a + 6, tm)
-            tl.store(o_a + 7, ts)
-            tl.store(o_a + 8 + TILE // SUB + so, sub)
-    if nt == 0:
-        tl.store(o_a + 4, -float("inf"))
-        tl.store(o_a + 5, 0.0)
-        tl.store(o_a + 6, -float("inf"))
-        tl.store(o_a + 7, 0.0)
-        so = tl.arange(0, 2 * (TILE // SUB))
-        tl.store(o_a + 8 + so, tl.zeros([2 * (TILE // SUB)], tl.float32))
-    tl.store(o_a, rmax)
-    tl.store(o_a + 1, rarg.to(tl.float32))
-    tl.store(o_a + 2, bad.to(tl.float32))
-    tl.store(o_a + 3, 0.0)
-
-
-@triton.jit
-def _global_max(a_ptr, r, R, W, PA: tl.constexpr, WB: tl.constexpr):
-    """Row ``r``'s max over the ranks of the gathered payload A [W, R, PA] (-inf if none),
-    the lowest global id attaining it, and whether any rank saw a NaN / +inf."""
-    q = tl.arange(0, WB)
-    o = (q.to(tl.int64) * R + r) * PA
-    okq = q < W
-    m = tl.load(a_ptr + o, mask=okq, other=-float("inf"))
-    mx = tl.max(m, axis=0)
-    arg = tl.load(a_ptr + o + 1, mask=okq, other=_NONE)
-    first = tl.min(tl.where(m == mx, arg, _NONE), axis=0)
-    bad = tl.max(tl.load(a_ptr + o + 2, mask=okq, other=0.0), axis=0) > 0
-    return mx, first, bad
-
-
-@triton.jit(**_FAST_NOSPEC)
-def shard_keys_kernel(a_ptr, tm_ptr, ts_ptr, sub_ptr, b_ptr, row_req_ptr, row_j_ptr, temp_ptr,
-                      seed_lo_ptr, seed_hi_ptr, pos_ptr, R, W, rank, S, V, off, w, nt,
-                      TILE: tl.constexpr, SUB: tl.constexpr, PA: tl.constexpr,
-                      PB: tl.constexpr, WB: tl.constexpr, CH: tl.constexpr):
-    r = tl.program_id(0)
-    NS: tl.constexpr = TILE // SUB
-    inv_t, sampled = _row_temperature(row_req_ptr, temp_ptr, r)
-    mx, _, _ = _global_max(a_ptr, r, R, W, PA, WB)
-    m = tl.where((mx > -float("inf")) & (mx < float("inf")), mx, 0.0)
-    req = tl.load(row_req_ptr + r)
-    seed_lo = tl.load(seed_lo_ptr + req)
-    seed_hi = tl.load(seed_hi_ptr + req)
-    pos = tl.load(pos_ptr + req) + tl.load(row_j_ptr + r)
-    g0 = off // TILE
-    own0 = (off % TILE != 0).to(tl.int32)  # the first tile starts on an earlier rank
-    glast = g0 + nt - 1
-    # The parts of this shard's last tile held by later ranks (their first tile).
-    extra = 0.0
-    extra_sub = tl.zeros([NS], tl.float32)
-    so = tl.arange(0, NS)
-    if sampled & (nt > 0):
-        for q in range(rank + 1, W):
-            q_off = q * S
-            q_first = q_off // TILE
-            if (q_off < V) & (q_first == glast):
-                o_q = (r.to(tl.int64) + q * R) * PA
-                f = tl.exp2((tl.load(a_ptr + o_q + 4) - m) * inv_t * _LOG2E)
-                extra += f * tl.load(a_ptr + o_q + 5)
-                extra_sub += f * tl.load(a_ptr + o_q + 8 + so)
+        tl.store(ts_ptr + o_t, tl.sum(sub, axis=0))
+        tl.store(sub_ptr + o_t * NS + so, sub)
+    o_p = p_ptr + r.to(tl.int64) * P
+    tl.store(o_p, rmax)
+    tl.store(o_p + 1, rarg.to(tl.float32))
+    tl.store(o_p + 2, bad.to(tl.float32))
+    # Slot 0, the best tile held by this shard alone (none: key -inf).
     best = -float("inf")
     bj = -1
-    if sampled:
-        for c in range(own0, nt, CH):
-            j = c + tl.arange(0, CH)
-            ok = j < nt
-            o_t = r.to(tl.int64) * nt + j
+    if (t > 0) & (nt > 0):
+        mref = tl.where((rmax > -float("inf")) & (rmax < float("inf")), rmax, 0.0)
+        seed_lo = tl.load(seed_lo_ptr + req)
+        seed_hi = tl.load(seed_hi_ptr + req)
+        pos = tl.load(pos_ptr + req) + tl.load(row_j_ptr + r)
+        end = off + w
+        shared_first = tl.where(off % TILE != 0, 1, 0)  # an earlier rank holds its start
+        shared_last = tl.where((end < V) & (end % TILE != 0), 1, 0)  # a later rank, its end
+        for c in range(shared_first, nt - shared_last, CH):
+            jv = c + tl.arange(0, CH)
+            ok = jv < nt - shared_last
+            o_t = r.to(tl.int64) * nt + jv
             tm = tl.load(tm_ptr + o_t, mask=ok, other=-float("inf"))
             ts = tl.load(ts_ptr + o_t, mask=ok, other=0.0)
-            mass = tl.where(tm > -float("inf"), tl.exp2((tm - m) * inv_t * _LOG2E) * ts, 0.0)
-            mass += tl.where(j == nt - 1, extra, 0.0)
-            g = g0 + j
-            key = tl.log(mass) + _gumbel(seed_lo, seed_hi, pos, g, STREAM_SAMPLE_TILE)
+            mass = _mass(tm, ts, mref, scale)
+            key = tl.log(mass) + _gumbel(seed_lo, seed_hi, pos, g0 + jv, STREAM_SAMPLE_TILE)
             key = tl.where(ok & (mass > 0), key, -float("inf"))
             kmax = tl.max(key, axis=0)
             kidx = tl.argmax(key, axis=0) + c
             bj = tl.where(kmax > best, kidx, bj)
             best = tl.maximum(best, kmax)
-    o_b = b_ptr + r.to(tl.int64) * PB
-    if bj >= 0:
-        o_t = r.to(tl.int64) * nt + bj
-        f = tl.exp2((tl.load(tm_ptr + o_t) - m) * inv_t * _LOG2E)
-        subs = f * tl.load(sub_ptr + o_t * NS + so)
-        subs += tl.where(bj == nt - 1, extra_sub, 0.0)
-        tl.store(o_b, best)
-        tl.store(o_b + 1, (g0 + bj).to(tl.float32))
-        tl.store(o_b + 2 + so, subs)
-    else:
-        tl.store(o_b, -float("inf"))
-        tl.store(o_b + 1, _NONE)
-        tl.store(o_b + 2 + so, tl.zeros([NS], tl.float32))
-
-
-@triton.jit(**_FAST_NOSPEC)
-def shard_token_kernel(x_ptr, stride, a_ptr, b_ptr, c_ptr, row_req_ptr, row_j_ptr, temp_ptr,
-                       seed_lo_ptr, seed_hi_ptr, pos_ptr, R, W, off, w, TILE: tl.constexpr,
-                       SUB: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr,
-                       WB: tl.constexpr):
-    r = tl.program_id(0)
-    NS: tl.constexpr = TILE // SUB
-    inv_t, sampled = _row_temperature(row_req_ptr, temp_ptr, r)
-    o_c = c_ptr + r.to(tl.int64) * 2
-    bk = tl.full((), -float("inf"), tl.float32)
-    bid = tl.full((), _NONE, tl.float32)
-    if sampled:
-        mx, _, _ = _global_max(a_ptr, r, R, W, PA, WB)
-        m = tl.where((mx > -float("inf")) & (mx < float("inf")), mx, 0.0)
-        req = tl.load(row_req_ptr + r)
-        seed_lo = tl.load(seed_lo_ptr + req)
-        seed_hi = tl.load(seed_hi_ptr + req)
-        pos = tl.load(pos_ptr + req) + tl.load(row_j_ptr + r)
-        # the winning tile: largest key, lowest tile id on equal keys
-        q = tl.arange(0, WB)
-        o_q = (q.to(tl.int64) * R + r) * PB
-        kq = tl.load(b_ptr + o_q, mask=q < W, other=-float("inf"))
-        kq = tl.where(kq == kq, kq, -float("inf"))
-        gq = tl.load(b_ptr + o_q + 1, mask=q < W, other=_NONE)
-        kbest = tl.max(kq, axis=0)
-        tile = tl.min(tl.where(kq == kbest, gq, _NONE), axis=0)
-        win = tl.min(tl.where((kq == kbest) & (gq == tile), q, WB), axis=0)
-        win = tl.minimum(win, W - 1)
-        so = tl.arange(0, NS)
-        subs = tl.load(b_ptr + (win.to(tl.int64) * R + r) * PB + 2 + so)
-        t_id = tl.minimum(tile, _NONE - 1).to(tl.int32)
-        sid = t_id * NS + so
-        skey = tl.log(subs) + _gumbel(seed_lo, seed_hi, pos, sid, STREAM_SAMPLE_SUB)
-        skey = tl.where(subs > 0, skey, -float("inf"))
-        sb = tl.argmax(skey, axis=0) + t_id * NS
-        # this shard's best token of sub-tile sb
-        ids = sb * SUB + tl.arange(0, SUB)
-        cols = ids - off
-        ok = (cols >= 0) & (cols < w)
-        x = tl.load(x_ptr + r.to(tl.int64) * stride + cols, mask=ok,
-                    other=-float("inf")).to(tl.float32)
-        fin = ok & (x > -float("inf")) & (x < float("inf"))
-        key = (x - m) * inv_t + _gumbel(seed_lo, seed_hi, pos, ids, STREAM_SAMPLE)
-        key = tl.where(fin, key, -float("inf"))
-        bk = tl.max(key, axis=0)
-        arg = tl.argmax(key, axis=0) + sb * SUB
-        lowest = tl.min(tl.where(ok, ids, 2147483647), axis=0)
-        held = lowest < 2147483647
-        bid = tl.where(bk > -float("inf"), arg.to(tl.float32),
-                       tl.where(held, lowest.to(tl.float32), _NONE))
-    tl.store(o_c, bk)
-    tl.store(o_c + 1, bid)
+        if bj >= 0:
+            _tile_slot(x_ptr, stride, off, w, r, bj, g0 + bj, best, mref, inv_t, seed_lo,
+                       seed_hi, pos, tm_ptr, sub_ptr, nt, o_p + 3, TILE, SUB)
+        # Slots 1 and 2: the first and the last tile where other ranks hold part of them.
+        if (shared_first == 1) | ((nt == 1) & (shared_last == 1)):
+            o_t = r.to(tl.int64) * nt
+            mass = _mass(tl.load(tm_ptr + o_t), tl.load(ts_ptr + o_t), mref, scale)
+            _tile_slot(x_ptr, stride, off, w, r, 0, g0, mass, mref, inv_t, seed_lo, seed_hi,
+                       pos, tm_ptr, sub_ptr, nt, o_p + 3 + SLOT_W, TILE, SUB)
+        if (nt > 1) & (shared_last == 1):
+            o_t = r.to(tl.int64) * nt + nt - 1
+            mass = _mass(tl.load(tm_ptr + o_t), tl.load(ts_ptr + o_t), mref, scale)
+            _tile_slot(x_ptr, stride, off, w, r, nt - 1, g0 + nt - 1, mass, mref, inv_t,
+                       seed_lo, seed_hi, pos, tm_ptr, sub_ptr, nt, o_p + 3 + 2 * SLOT_W,
+                       TILE, SUB)
+    if bj < 0:
+        tl.store(o_p + 3, -float("inf"))
+        tl.store(o_p + 4, _NONE)
 
 
 @triton.jit
-def _row_token(a_ptr, c_ptr, r, R, W, V, greedy, PA: tl.constexpr, WB: tl.constexpr):
-    """Row ``r``'s token: its lowest argmax when ``greedy``, else the drawn one (largest key
-    of the gathered payload C, lowest id on equal keys); clamped into [0, V)."""
-    if greedy:
-        _, tok, _ = _global_max(a_ptr, r, R, W, PA, WB)
-    else:
-        q = tl.arange(0, WB)
-        o_q = (q.to(tl.int64) * R + r) * 2
-        kq = tl.load(c_ptr + o_q, mask=q < W, other=-float("inf"))
-        iq = tl.load(c_ptr + o_q + 1, mask=q < W, other=_NONE)
-        kbest = tl.max(kq, axis=0)
-        tok = tl.min(tl.where(kq == kbest, iq, _NONE), axis=0)
-    return tl.minimum(tl.maximum(tok, 0.0), V - 1).to(tl.int64)
+def _global_max(p_ptr, r, R, W, P: tl.constexpr, WB: tl.constexpr):
+    """Row ``r``'s max over the ranks of the gathered payload [W, R, P] (-inf if none),
+    the lowest global id attaining it, and whether any rank saw a NaN / +inf."""
+    q = tl.arange(0, WB)
+    o = (q.to(tl.int64) * R + r) * P
+    okq = q < W
+    m = tl.load(p_ptr + o, mask=okq, other=-float("inf"))
+    mx = tl.max(m, axis=0)
+    arg = tl.load(p_ptr + o + 1, mask=okq, other=_NONE)
+    first = tl.min(tl.where(m == mx, arg, _NONE), axis=0)
+    bad = tl.max(tl.load(p_ptr + o + 2, mask=okq, other=0.0), axis=0) > 0
+    return mx, first, bad
+
+
+@triton.jit
+def _rank_offset(p_ptr, q, r, R, mref, inv_t, P: tl.constexpr):
+    """(key offset (m_q - M) / T, mass factor exp of it) of rank ``q``'s values of row
+    ``r`` (-inf and 0 where the rank holds no finite value); q a scalar or a vector."""
+    m = tl.load(p_ptr + (q * R + r).to(tl.int64) * P)
+    fin = (m > -float("inf")) & (m < float("inf"))
+    off = tl.where(fin, (m - mref) * inv_t, -float("inf"))
+    return off, tl.where(fin, tl.exp2(off * _LOG2E), 0.0)
+
+
+@triton.jit
+def _slot_of(q, g, interior, S, TILE: tl.constexpr):
+    """Payload slot of rank ``q``'s part of tile ``g``: 0 for a tile one rank holds alone,
+    else 1 when it is q's first tile, 2 when it is q's last."""
+    return tl.where(interior, 0, tl.where((q * S) // TILE == g, 1, 2))
+
+
+@triton.jit
+def _draw_row(p_ptr, r, R, W, S, V, inv_t, seed_lo, seed_hi, pos, TILE: tl.constexpr,
+              SUB: tl.constexpr, P: tl.constexpr, SLOT_W: tl.constexpr, WB: tl.constexpr):
+    """Row ``r``'s sampled token (int64 in [0, V)) from the gathered payloads."""
+    NS: tl.constexpr = TILE // SUB
+    so = tl.arange(0, NS)
+    mx, _arg, _bad = _global_max(p_ptr, r, R, W, P, WB)
+    mref = tl.where((mx > -float("inf")) & (mx < float("inf")), mx, 0.0)
+    # The tile: every rank's best own tile, then the tiles that ranks share.
+    q = tl.arange(0, WB)
+    koff, _scale = _rank_offset(p_ptr, q, r, R, mref, inv_t, P)
+    o_q = (q.to(tl.int64) * R + r) * P + 3
+    kq = tl.load(p_ptr + o_q, mask=q < W, other=-float("inf")) + koff
+    kq = tl.where((q < W) & (kq == kq), kq, -float("inf"))
+    gq = tl.load(p_ptr + o_q + 1, mask=q < W, other=_NONE)
+    best = tl.max(kq, axis=0)
+    tile = tl.min(tl.where(kq == best, gq, _NONE), axis=0)
+    q_lo = tl.min(tl.where((kq == best) & (gq == tile), q, WB - 1), axis=0)
+    q_hi = q_lo
+    interior = tl.full((), 1, tl.int1)
+    for b in range(1, W):
+        g = (b * S) // TILE
+        first = (b == 1) | ((b - 1) * S <= g * TILE)  # the first boundary inside tile g
+        if (b * S < V) & (b * S % TILE != 0) & first:
+            lo = (g * TILE) // S
+            hi = tl.minimum(tl.minimum(((g + 1) * TILE - 1) // S, W - 1), (V - 1) // S)
+            mass = 0.0
+            for qq in range(lo, hi + 1):
+                _off_t, f = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+                o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, g, False, S, TILE) * SLOT_W
+                mass += f * tl.load(p_ptr + o)
+            key = tl.log(mass) + _gumbel(seed_lo, seed_hi, pos, g, STREAM_SAMPLE_TILE)
+            key = tl.where(mass > 0, key, -float("inf"))
+            gf = g.to(tl.float32)
+            better = (key > best) | ((key == best) & (gf < tile))
+            best = tl.where(better, key, best)
+            tile = tl.where(better, gf, tile)
+            q_lo = tl.where(better, lo, q_lo)
+            q_hi = tl.where(better, hi, q_hi)
+            interior = interior & ~better
+    tid = tl.where(best > -float("inf"), tile, 0.0).to(tl.int32)
+    # Its sub-tile, from the parts' sub-tile masses.
+    subs = tl.zeros([NS], tl.float32)
+    for qq in range(q_lo, q_hi + 1):
+        _off_s, f = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+        o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, tid, interior, S, TILE) * SLOT_W
+        subs += f * tl.load(p_ptr + o + 2 + so)
+    skey = tl.log(subs) + _gumbel(seed_lo, seed_hi, pos, tid * NS + so, STREAM_SAMPLE_SUB)
+    sb = tl.argmax(tl.where(subs > 0, skey, -float("inf")), axis=0)
+    # Its token: the best of the parts' bests in that sub-tile.
+    bk = tl.full((), -float("inf"), tl.float32)
+    bid = tl.full((), _NONE, tl.float32)
+    for qq in range(q_lo, q_hi + 1):
+        ko, _f_k = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+        o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, tid, interior, S, TILE) * SLOT_W
+        k = tl.load(p_ptr + o + 2 + NS + sb) + ko
+        k = tl.where(k == k, k, -float("inf"))
+        i = tl.load(p_ptr + o + 2 + 2 * NS + sb)
+        better = (k > bk) | ((k == bk) & (i < bid))
+        bk = tl.where(better, k, bk)
+        bid = tl.where(better, i, bid)
+    return tl.minimum(tl.maximum(bid, 0.0), V - 1).to(tl.int64)
 
 
 @triton.jit(**_FAST_NOSPEC)
-def shard_finish_kernel(a_ptr, c_ptr, temp_ptr, row_start_ptr, draft_start_ptr, k_given_ptr,
-                        draft_ids_ptr, tok_ptr, nacc_ptr, err_ptr, inv_ptr, R, N, K, W, V,
-                        PA: tl.constexpr, WB: tl.constexpr):
+def shard_final_kernel(p_ptr, temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr, row_start_ptr,
+                       draft_start_ptr, k_given_ptr, draft_ids_ptr, tok_ptr, nacc_ptr, err_ptr,
+                       inv_ptr, R, K, W, S, V, TILE: tl.constexpr, SUB: tl.constexpr,
+                       P: tl.constexpr, SLOT_W: tl.constexpr, WB: tl.constexpr):
     i = tl.program_id(0)
     rs = tl.load(row_start_ptr + i)
     ds = tl.load(draft_start_ptr + i)
     kg = tl.load(k_given_ptr + i)
     keff = _k_eff_of(draft_ids_ptr, ds, kg, False)
-    greedy = tl.load(temp_ptr + i) <= 0
+    t = tl.load(temp_ptr + i)
+    inv_t = _inv_temperature(t)
     err = 0
     for j in range(0, keff + 1):
-        mx, _, bad = _global_max(a_ptr, rs + j, R, W, PA, WB)
+        mx, _arg, bad = _global_max(p_ptr, rs + j, R, W, P, WB)
         err |= tl.where(bad, ERR_LOGITS_NAN, tl.where(mx == -float("inf"),
                                                       ERR_LOGITS_NO_FINITE, 0))
     for j in range(0, keff):
         d = tl.load(draft_ids_ptr + ds + j)
         err |= tl.where((d < 0) | (d >= V), ERR_DRAFT_ID, 0)
-    # one-hot prefix matching: accept d_j while it equals row j's token
+    # One-hot prefix matching: accept d_j while it equals row j's token (drawn when reached).
+    seed_lo = tl.load(seed_lo_ptr + i)
+    seed_hi = tl.load(seed_hi_ptr + i)
+    pos = tl.load(pos_ptr + i)
     nacc = 0
     going = err == 0
     emit = tl.zeros((), tl.int64) - 1
     for j in range(0, keff + 1):
         if going:
-            y = _row_token(a_ptr, c_ptr, rs + j, R, W, V, greedy, PA, WB)
+            if t > 0:
+                y = _draw_row(p_ptr, rs + j, R, W, S, V, inv_t, seed_lo, seed_hi, pos + j,
+                              TILE, SUB, P, SLOT_W, WB)
+            else:
+                _mx, yf, _bad = _global_max(p_ptr, rs + j, R, W, P, WB)
+                y = tl.minimum(tl.maximum(yf, 0.0), V - 1).to(tl.int64)
             d = tl.load(draft_ids_ptr + ds + j, mask=j < keff, other=-1)
             if (j < keff) & (d == y):
                 nacc += 1

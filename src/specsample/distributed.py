@@ -29,9 +29,11 @@ never the logits:
 
 On the Triton backend (CUDA, or Triton's interpreter on CPU tensors), calls with temperature
 only (no bans, bias, penalties or filters), one-hot drafts and no logprobs run steps 3-5 as
-four Triton launches and three all_gathers of per-row payloads, with no host
-synchronisation after the handshake (``_run_kernels``, ``_distributed_kernels``; path
-``distributed.<op>.kernels``); every other call runs the PyTorch steps below (path
+two Triton launches around one all_gather of a per-row payload: the ranks exchange the
+maxima, their own best tile with its sub-tile masses and per-sub-tile best tokens, and their
+parts of the tiles they share, so that every rank finishes the same draw (``_run_kernels``,
+``_distributed_kernels``; path ``distributed.<op>.kernels``; no host synchronisation after
+the handshake except strict's check). Every other call runs the PyTorch steps below (path
 ``distributed.<op>.torch``).
 
 Filters (min_p, top_k, top_p) are decided on the shard's own values with cuts found from
@@ -713,8 +715,8 @@ def _empty_safe(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
-    """The call as four Triton launches and three all_gathers of per-row payloads, no host
-    synchronisation (``_distributed_kernels``); the same outputs as :func:`_run`."""
+    """The call as two Triton launches around one all_gather of a per-row payload (no host
+    synchronisation; ``_distributed_kernels``): the same outputs as :func:`_run`."""
     from . import _distributed_kernels as dk
 
     comm, geo, plan = call.comm, call.geo, call.plan
@@ -722,44 +724,27 @@ def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     x = call.x if call.x.stride(1) == 1 or call.x.shape[1] <= 1 else call.x.contiguous()
     rows, n, k = plan.num_rows, plan.num_requests, plan.max_k
     dev = x.device
-    off, w = geo.offset(), geo.width()
     nt = geo.tiles()[1]
-    world = comm.world
-    wb = 1 << (world - 1).bit_length()  # (a power of two >= world)
-    f32 = torch.float32
-    tiles = dict(TILE=rng.TILE, SUB=rng.SUBTILE)
+    consts = dict(TILE=rng.TILE, SUB=rng.SUBTILE, P=dk.PAYLOAD, SLOT_W=dk.SLOT)
     keys = (batch.seed_lo, batch.seed_hi, plan.positions)
-    a = torch.empty((rows, dk.PAYLOAD_A), dtype=f32, device=dev)
-    b = torch.empty((rows, dk.PAYLOAD_B), dtype=f32, device=dev)
-    c = torch.empty((rows, dk.PAYLOAD_C), dtype=f32, device=dev)
+    payload = torch.empty((rows, dk.PAYLOAD), dtype=torch.float32, device=dev)
     if rows:
-        tm = torch.empty((rows, max(nt, 1)), dtype=f32, device=dev)
-        ts = torch.empty_like(tm)
-        sub = torch.empty((rows, max(nt, 1), dk.NSUB), dtype=f32, device=dev)
-        dk.shard_stats_kernel[(rows,)](x, x.stride(0), w, off, nt, plan.row_req,
-                                       batch.temperature, tm, ts, sub, a, rows,
-                                       PA=dk.PAYLOAD_A, **tiles)
-    ga = comm.gather_rows(a)
-    if rows:
-        dk.shard_keys_kernel[(rows,)](ga, tm, ts, sub, b, plan.row_req, plan.row_j,
-                                      batch.temperature, *keys, rows, world, geo.rank,
-                                      geo.shard, geo.vocab, off, w, nt, PA=dk.PAYLOAD_A,
-                                      PB=dk.PAYLOAD_B, WB=wb, CH=64, **tiles)
-    gb = comm.gather_rows(b)
-    if rows:
-        dk.shard_token_kernel[(rows,)](x, x.stride(0), ga, gb, c, plan.row_req, plan.row_j,
-                                       batch.temperature, *keys, rows, world, off, w,
-                                       PA=dk.PAYLOAD_A, PB=dk.PAYLOAD_B, WB=wb, **tiles)
-    gc = comm.gather_rows(c)
+        scratch = torch.empty(rows * max(nt, 1) * (2 + dk.NSUB), dtype=torch.float32,
+                              device=dev)  # (per local tile: max, sum, sub-tile sums)
+        dk.shard_pass_kernel[(rows,)](
+            x, x.stride(0), geo.width(), geo.offset(), nt, geo.vocab, plan.row_req,
+            plan.row_j, batch.temperature, *keys, scratch, payload, rows, CH=64, **consts)
+    gathered = comm.gather_rows(payload)
     tokens = torch.empty((n, k + 1), dtype=torch.int64, device=dev)
     num_accepted = torch.empty(n, dtype=torch.int64, device=dev)
     err = torch.empty(n, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.int8, device=dev)
     if n:  # (the layout comes from host k_i: distributed calls have no plan.layout_err)
-        dk.shard_finish_kernel[(n,)](
-            ga, gc, batch.temperature, plan.row_start, plan.draft_start, plan.k_given,
-            _empty_safe(plan.draft_token_ids), tokens, num_accepted, err, invalid, rows, n, k,
-            world, geo.vocab, PA=dk.PAYLOAD_A, WB=wb)
+        dk.shard_final_kernel[(n,)](
+            gathered, batch.temperature, *keys, plan.row_start, plan.draft_start,
+            plan.k_given, _empty_safe(plan.draft_token_ids), tokens, num_accepted, err,
+            invalid, rows, k, comm.world, geo.shard, geo.vocab,
+            WB=1 << (comm.world - 1).bit_length(), **consts)
     return VerifyOutput(token_ids=tokens, num_accepted=num_accepted, logprobs=None,
                         logprob_token_ids=None, invalid=invalid.view(torch.bool)), err
 

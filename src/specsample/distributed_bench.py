@@ -89,11 +89,15 @@ def run_case(vocab: int, b: int, filtered: bool, iters: int, warmup: int,
         return verify(whole, drafts, num_draft, batch, positions=positions, strict=False)
 
     def sharded_torch():
+        before = os.environ.get("SPECSAMPLE_BACKEND")
         os.environ["SPECSAMPLE_BACKEND"] = "torch"
         try:
             return sharded()
         finally:
-            os.environ.pop("SPECSAMPLE_BACKEND")
+            if before is None:
+                del os.environ["SPECSAMPLE_BACKEND"]
+            else:
+                os.environ["SPECSAMPLE_BACKEND"] = before
 
     paths.reset()
     a, g = sharded(), gather_then_verify()
