@@ -154,8 +154,10 @@ def sweep(vocab: int, dev: str = "cuda", batches=BATCHES, on_compile: str = "rai
 
 # integer arguments a kernel may be specialised on (Triton compiles a variant for a value of 1
 # and one for a multiple of 16): the vocabulary and the row strides, fixed in a deployment,
-# and the penalty counts' row stride CV (V, or 0 without penalties: warmup runs both)
-FIXED_PER_DEPLOYMENT = {"V", "DV", "stride", "dstride", "raw_stride", "proc_stride", "CV"}
+# and the penalty counts' row stride CV (V, or 0 without penalties: warmup runs both); for
+# specsample.distributed, the world size W, the shard width S and this rank's columns (off, w)
+FIXED_PER_DEPLOYMENT = {"V", "DV", "stride", "dstride", "raw_stride", "proc_stride", "CV",
+                        "W", "S", "off", "w"}
 
 
 def _kernels():
