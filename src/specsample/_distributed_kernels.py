@@ -275,10 +275,11 @@ def _global_max(p_ptr, r, R, W, P: tl.constexpr, WB: tl.constexpr):
 
 
 @triton.jit
-def _rank_offset(p_ptr, q, r, R, mref, inv_t, P: tl.constexpr):
+def _rank_offset(p_ptr, q, r, R, W, mref, inv_t, P: tl.constexpr):
     """(key offset (m_q - M) / T, mass factor exp of it) of rank ``q``'s values of row
-    ``r`` (-inf and 0 where the rank holds no finite value); q a scalar or a vector."""
-    m = tl.load(p_ptr + (q * R + r).to(tl.int64) * P)
+    ``r`` (-inf and 0 where the rank holds no finite value, or q >= W: a vector's lanes
+    past the ranks are not read); q a scalar or a vector."""
+    m = tl.load(p_ptr + (q * R + r).to(tl.int64) * P, mask=q < W, other=-float("inf"))
     fin = (m > -float("inf")) & (m < float("inf"))
     off = tl.where(fin, (m - mref) * inv_t, -float("inf"))
     return off, tl.where(fin, tl.exp2(off * _LOG2E), 0.0)
@@ -301,7 +302,7 @@ def _draw_row(p_ptr, r, R, W, S, V, inv_t, seed_lo, seed_hi, pos, TILE: tl.const
     mref = tl.where((mx > -float("inf")) & (mx < float("inf")), mx, 0.0)
     # The tile: every rank's best own tile, then the tiles that ranks share.
     q = tl.arange(0, WB)
-    koff, _scale = _rank_offset(p_ptr, q, r, R, mref, inv_t, P)
+    koff, _scale = _rank_offset(p_ptr, q, r, R, W, mref, inv_t, P)
     o_q = (q.to(tl.int64) * R + r) * P + 3
     kq = tl.load(p_ptr + o_q, mask=q < W, other=-float("inf")) + koff
     kq = tl.where((q < W) & (kq == kq), kq, -float("inf"))
@@ -319,7 +320,7 @@ def _draw_row(p_ptr, r, R, W, S, V, inv_t, seed_lo, seed_hi, pos, TILE: tl.const
             hi = tl.minimum(tl.minimum(((g + 1) * TILE - 1) // S, W - 1), (V - 1) // S)
             mass = 0.0
             for qq in range(lo, hi + 1):
-                _off_t, f = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+                _off_t, f = _rank_offset(p_ptr, qq, r, R, W, mref, inv_t, P)
                 o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, g, False, S, TILE) * SLOT_W
                 mass += f * tl.load(p_ptr + o)
             key = tl.log(mass) + _gumbel(seed_lo, seed_hi, pos, g, STREAM_SAMPLE_TILE)
@@ -335,7 +336,7 @@ def _draw_row(p_ptr, r, R, W, S, V, inv_t, seed_lo, seed_hi, pos, TILE: tl.const
     # Its sub-tile, from the parts' sub-tile masses.
     subs = tl.zeros([NS], tl.float32)
     for qq in range(q_lo, q_hi + 1):
-        _off_s, f = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+        _off_s, f = _rank_offset(p_ptr, qq, r, R, W, mref, inv_t, P)
         o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, tid, interior, S, TILE) * SLOT_W
         subs += f * tl.load(p_ptr + o + 2 + so)
     skey = tl.log(subs) + _gumbel(seed_lo, seed_hi, pos, tid * NS + so, STREAM_SAMPLE_SUB)
@@ -344,7 +345,7 @@ def _draw_row(p_ptr, r, R, W, S, V, inv_t, seed_lo, seed_hi, pos, TILE: tl.const
     bk = tl.full((), -float("inf"), tl.float32)
     bid = tl.full((), _NONE, tl.float32)
     for qq in range(q_lo, q_hi + 1):
-        ko, _f_k = _rank_offset(p_ptr, qq, r, R, mref, inv_t, P)
+        ko, _f_k = _rank_offset(p_ptr, qq, r, R, W, mref, inv_t, P)
         o = (qq * R + r).to(tl.int64) * P + 3 + _slot_of(qq, tid, interior, S, TILE) * SLOT_W
         k = tl.load(p_ptr + o + 2 + NS + sb) + ko
         k = tl.where(k == k, k, -float("inf"))
