@@ -47,6 +47,14 @@ def _run_spawned(world: int, target: str, backend: str = "gloo") -> list[dict]:
     return reports
 
 
+def _passing_reports(world: int, target: str, backend: str = "gloo") -> list[dict]:
+    """:func:`_run_spawned`, failing the test on any rank's reported failure."""
+    reports = _run_spawned(world, target, backend)
+    fails = [f for r in reports for f in r["failures"]]
+    assert not fails, "\n".join(fails[:5])
+    return reports
+
+
 def _worker(rank: int, world: int, tmp: str, target: str, backend: str) -> None:
     import torch.distributed as dist
 
@@ -302,9 +310,7 @@ def _equivalence_cases(rank: int, world: int, report: dict) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_equivalence_gloo(world):
-    reports = _run_spawned(world, "_equivalence_cases")
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
+    reports = _passing_reports(world, "_equivalence_cases")
     assert all(r["cases"] == reports[0]["cases"] > 40 for r in reports)
 
 
@@ -350,9 +356,7 @@ def _kernel_cases(rank: int, world: int, report: dict, device: str = "cpu") -> N
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_kernels_equal_single_device_gloo(world):
-    reports = _run_spawned(world, "_kernel_cases")
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
+    reports = _passing_reports(world, "_kernel_cases")
     assert all(r["cases"] == reports[0]["cases"] > 12 for r in reports)
 
 
@@ -364,9 +368,7 @@ def _kernel_cases_cuda(rank: int, world: int, report: dict) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_kernels_equal_single_device_gloo_one_gpu(world):
     # (gloo ranks sharing one GPU: the kernels run compiled; NCCL needs a GPU per rank)
-    reports = _run_spawned(world, "_kernel_cases_cuda")
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
+    reports = _passing_reports(world, "_kernel_cases_cuda")
     assert all(r["cases"] == reports[0]["cases"] > 12 for r in reports)
 
 
@@ -479,9 +481,7 @@ def _error_cases_kernels(rank: int, world: int, report: dict) -> None:
 
 @pytest.mark.parametrize("world, path", [(2, "torch"), (3, "torch"), (2, "kernels")])
 def test_errors_raise_on_every_rank(world, path):
-    reports = _run_spawned(world, "_error_cases" + ("_kernels" if path == "kernels" else ""))
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
+    reports = _passing_reports(world, "_error_cases" + ("_kernels" if path == "kernels" else ""))
     for r in reports:
         assert r["cases"] == 1 and len(r["messages"]) == 11, r.get("messages")
         assert "distributed.verify." + path in r["paths"], r["paths"]
@@ -559,9 +559,7 @@ def _warmup_cases(rank: int, world: int, report: dict) -> None:
 
 def test_warmup_runs_on_every_rank_gloo():
     # (on CPU tensors it compiles nothing: the calls run and the same count comes back)
-    reports = _run_spawned(2, "_warmup_cases")
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
+    reports = _passing_reports(2, "_warmup_cases")
     assert [r["calls"] for r in reports] == [2 * 3 * (4 + 2 * 3)] * 2
 
 
@@ -611,10 +609,7 @@ def _two_gpu_reports(target: str) -> list[dict]:
     """``target`` on two NCCL ranks (skipped without two GPUs); fails on any rank's failure."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    reports = _run_spawned(2, target, backend="nccl")
-    fails = [f for r in reports for f in r["failures"]]
-    assert not fails, "\n".join(fails[:5])
-    return reports
+    return _passing_reports(2, target, backend="nccl")
 
 
 @pytest.mark.gpu

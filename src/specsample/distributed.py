@@ -59,7 +59,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import paths, rng, torch_backend
+from . import paths, rng, torch_backend, workspace
 from .errors import SamplingError
 from .outputs import SampleOutput, VerifyOutput
 from .params import SamplingBatch
@@ -709,9 +709,9 @@ def _choose_path(plan: Plan, vocab: int, device: torch.device) -> int:
 
 
 def _empty_safe(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a one-element tensor of its dtype when it is empty (never read: a kernel
-    argument needs an address)."""
-    return t if t.numel() else t.new_zeros(1)
+    """``t``, or the workspace's one-element zeros of its dtype when it is empty (never
+    read: a kernel argument needs an address)."""
+    return t if t.numel() else workspace.zeros((1,), t.dtype, t.device)
 
 
 def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
