@@ -463,3 +463,49 @@ def test_residual_in_one_launch_under_load(kind, n):
         assert torch.equal(got.token_ids, want.token_ids)
         assert torch.equal(got.num_accepted, want.num_accepted)
     assert not workspace.counters("residual", (n,), torch.device("cuda")).any()
+
+
+@pytest.mark.parametrize("kind", ["onehot", "draft_logits"])
+def test_logits_on_another_device_than_the_current_one(kind, monkeypatch):
+    """Logits on cuda:1 while cuda:0 is current: every launch runs with cuda:1 current (the
+    Triton launches address the current device), and the tokens are those of calls made with
+    cuda:1 current; sample(), fresh positions and device draft counts too."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from specsample.triton_backend import launch as launch_module
+
+    devices = []
+    real_call = launch_module._Launch.__call__
+
+    def spy(self, *args, **meta):
+        devices.append(torch.cuda.current_device())
+        return real_call(self, *args, **meta)
+
+    monkeypatch.setattr(launch_module._Launch, "__call__", spy)
+    logits, d, ks, batch, pos, extra = _inputs(151936, torch.bfloat16, kind)
+    one = torch.device("cuda", 1)
+    batch1 = SamplingBatch.from_params(batch.params, vocab_size=151936, device=one)
+    d1, pos1, x1 = d.to(one), pos.to(one), logits.to(one)
+    extra1 = {k: v.to(one) for k, v in extra.items()}
+    firsts = torch.tensor([sum(ks[:i]) + i for i in range(len(ks))], device=one)
+
+    def run():
+        out = specsample.verify(x1, d1, ks, batch1, positions=pos1, **extra1)
+        dev_counts = specsample.verify(x1, d1, torch.tensor(ks, device=one), batch1,
+                                       positions=pos1, max_num_draft_tokens=4, **extra1)
+        s = specsample.sample(x1, batch1, positions=pos1, logits_index=firsts)
+        return [t.cpu() for t in (out.token_ids, out.num_accepted, dev_counts.token_ids,
+                                  s.token_ids)]
+
+    with torch.cuda.device(0):
+        got = [run() for _ in range(3)]  # (the later calls where a replay would be)
+        unseeded = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * len(ks),
+                                             vocab_size=151936, device=one)
+        fresh = specsample.verify(x1, d1, ks, unseeded, **extra1)  # (fresh positions)
+        assert fresh.token_ids.device == one
+    assert devices and set(devices) == {1}, sorted(set(devices))
+    with torch.cuda.device(1):
+        want = run()
+    for g in got:
+        for a, b in zip(g, want):
+            assert torch.equal(a, b)

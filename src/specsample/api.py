@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -72,9 +73,13 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                          "on the CPU path, which compiles that path's functions)")
     from . import triton_backend
 
-    return triton_backend.warmup(device, vocab_size=vocab_size,
-                                 draft_vocab_size=draft_vocab_size, dtypes=dtypes,
-                                 methods=methods, on_compile=on_compile, workers=workers)
+    dev = torch.device(device)
+    # (the layout and tree kernels it launches itself address the current device)
+    with torch.cuda.device(dev) if dev.type == "cuda" and dev.index is not None else (
+            contextlib.nullcontext()):
+        return triton_backend.warmup(device, vocab_size=vocab_size,
+                                     draft_vocab_size=draft_vocab_size, dtypes=dtypes,
+                                     methods=methods, on_compile=on_compile, workers=workers)
 
 
 def _draft_kind(plan: Plan) -> str:
@@ -101,6 +106,21 @@ def _refuse_uncapturable(backend: str, plan: Plan, op: str, device: torch.device
                          "host synchronisation), which cannot run inside CUDA-graph capture; "
                          "temperature, min_p, top_k, top_p, bans, logit_bias, penalties and "
                          "logprobs up to 32 top-n can")
+
+
+def _current_device(t) -> contextlib.AbstractContextManager:
+    """A block with ``t``'s CUDA device current. The Triton launches (the plan's too) and the
+    workspace address the current device and its stream; the call cache never replays a call
+    whose logits are elsewhere (its key needs their device current). ValueError while the
+    current stream captures a CUDA graph on another device (the call could not be part of
+    it)."""
+    if isinstance(t, torch.Tensor) and t.is_cuda and t.device.index != torch._C._cuda_getDevice():
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"the logits are on {t.device} but the CUDA graph being captured "
+                             f"is on cuda:{torch._C._cuda_getDevice()}; capture on the logits' "
+                             "device (torch.cuda.device)")
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
@@ -303,11 +323,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, *, positions=None,
     _check_logits_rows(logits, n)
 
     def call() -> tuple:
-        plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
-                          draft_logits=None, draft_probs=None, positions=positions,
-                          method="token", logits_name="logits",
-                          **_triton_plan_hooks(logits, positions, None))
-        return _flat(*_run(plan, "sample"))
+        with _current_device(logits):
+            plan = build_plan(logits, batch, draft_token_ids=None, num_draft_tokens=[0] * n,
+                              draft_logits=None, draft_probs=None, positions=positions,
+                              method="token", logits_name="logits",
+                              **_triton_plan_hooks(logits, positions, None))
+            return _flat(*_run(plan, "sample"))
 
     keyed = call_cache.call_key("sample", logits, batch, None, None, None, None, positions,
                                 "token", None)
@@ -391,13 +412,14 @@ def verify(
     _check_batch(batch)
 
     def call() -> tuple:
-        plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
-                          num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
-                          draft_probs=draft_probs, positions=positions, method=method,
-                          max_num_draft_tokens=max_num_draft_tokens,
-                          **_triton_plan_hooks(target_logits, positions,
-                                               max_num_draft_tokens))
-        return _flat(*_run(plan, "verify"))
+        with _current_device(target_logits):
+            plan = build_plan(target_logits, batch, draft_token_ids=draft_token_ids,
+                              num_draft_tokens=num_draft_tokens, draft_logits=draft_logits,
+                              draft_probs=draft_probs, positions=positions, method=method,
+                              max_num_draft_tokens=max_num_draft_tokens,
+                              **_triton_plan_hooks(target_logits, positions,
+                                                   max_num_draft_tokens))
+            return _flat(*_run(plan, "verify"))
 
     keyed = call_cache.call_key("verify", target_logits, batch, draft_token_ids,
                                 num_draft_tokens, draft_logits, draft_probs, positions, method,

@@ -420,10 +420,9 @@ def build_plan(
     if logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for "
                          f"vocab_size={batch.vocab_size}")
-    if logits.device != batch.device and not (
-        logits.device.type == batch.device.type == "cuda" and batch.device.index is None
-    ):
-        raise ValueError(f"logits are on {logits.device} but the batch on {batch.device}")
+    if logits.device != batch.temperature.device:  # (a batch built for "cuda": where it is)
+        raise ValueError(f"logits are on {logits.device} but the batch on "
+                         f"{batch.temperature.device}")
     if method not in METHODS:
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     max_k = _max_num_draft(max_num_draft_tokens)

@@ -795,6 +795,14 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
             logprobs, bias / penalties / bans, num_nodes or parents on the device, tokens or
             positions not on the logits' device, a tree structure no earlier call laid out.
     """
+    with api._current_device(target_logits):
+        return _verify_tree(target_logits, draft_token_ids, parents, num_nodes, batch,
+                            draft_probs, positions, strict)
+
+
+def _verify_tree(target_logits, draft_token_ids, parents, num_nodes, batch, draft_probs,
+                 positions, strict) -> TreeVerifyOutput:
+    """:func:`verify_tree` with the logits' device current."""
     api._check_not_capturing(strict, "verify_tree")
     api._check_batch(batch)
     capture = api._capturing()
@@ -804,9 +812,9 @@ def verify_tree(target_logits: torch.Tensor, draft_token_ids, parents, num_nodes
         raise ValueError(f"target_logits have {target_logits.shape[1]} columns but the batch "
                          f"was built for vocab_size={batch.vocab_size}")
     device = target_logits.device
-    if device != batch.device and not (device.type == batch.device.type == "cuda"
-                                       and batch.device.index is None):
-        raise ValueError(f"target_logits are on {device} but the batch on {batch.device}")
+    if device != batch.temperature.device:  # (a batch built for "cuda": the device it is on)
+        raise ValueError(f"target_logits are on {device} but the batch on "
+                         f"{batch.temperature.device}")
     if capture:
         _check_capturable(batch, device, num_nodes, parents, draft_probs, positions)
     m = _num_nodes_tuple(num_nodes, n)
