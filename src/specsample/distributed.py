@@ -718,6 +718,7 @@ def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     """The call as two Triton launches around one all_gather of a per-row payload (no host
     synchronisation; ``_distributed_kernels``): the same outputs as :func:`_run`."""
     from . import _distributed_kernels as dk
+    from .triton_backend.launch import launch
 
     comm, geo, plan = call.comm, call.geo, call.plan
     batch = plan.batch
@@ -731,7 +732,7 @@ def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     if rows:
         scratch = torch.empty(rows * max(nt, 1) * (2 + dk.NSUB), dtype=torch.float32,
                               device=dev)  # (per local tile: max, sum, sub-tile sums)
-        dk.shard_pass_kernel[(rows,)](
+        launch(dk.shard_pass_kernel)[(rows,)](
             x, x.stride(0), geo.width(), geo.offset(), nt, geo.vocab, plan.row_req,
             plan.row_j, batch.temperature, *keys, scratch, payload, rows, CH=64, **consts)
     gathered = comm.gather_rows(payload)
@@ -740,7 +741,7 @@ def _run_kernels(call: _Call) -> tuple[VerifyOutput, torch.Tensor]:
     err = torch.empty(n, dtype=torch.int64, device=dev)
     invalid = torch.empty(n, dtype=torch.int8, device=dev)
     if n:  # (the layout comes from host k_i: distributed calls have no plan.layout_err)
-        dk.shard_final_kernel[(n,)](
+        launch(dk.shard_final_kernel)[(n,)](
             gathered, batch.temperature, *keys, plan.row_start, plan.draft_start,
             plan.k_given, _empty_safe(plan.draft_token_ids), tokens, num_accepted, err,
             invalid, rows, k, comm.world, geo.shard, geo.vocab,
@@ -1049,12 +1050,12 @@ def _prepare(op: str, local_logits, batch, group, *, draft_token_ids, num_draft_
 
 
 def _finish(call: _Call, op: str, strict: bool) -> VerifyOutput:
-    if call.path == _PATH_KERNELS:
-        paths.record(f"distributed.{op}.kernels", call.plan.num_rows)
-        out, err = _run_kernels(call)
-    else:
-        paths.record(f"distributed.{op}.torch", call.plan.num_rows)
-        out, err = _run(call)
+    from .api import _current_device
+
+    kernels = call.path == _PATH_KERNELS
+    paths.record(f"distributed.{op}.{'kernels' if kernels else 'torch'}", call.plan.num_rows)
+    with _current_device(call.x):  # (the Triton launches address the current CUDA device)
+        out, err = _run_kernels(call) if kernels else _run(call)
     if strict and bool((err != 0).any()):
         codes = err.tolist()
         raise SamplingError([i for i, c in enumerate(codes) if c],
