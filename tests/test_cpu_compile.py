@@ -14,7 +14,7 @@ warned.
 
 All tests share one xdist group: each function variant and shape class compiles once
 (20-60 s on 2 cores with an empty Inductor cache), and later tests reuse it; the file compiles
-23 graphs (and four small ones of its own). Split over two workers, the halves compiled more
+23 graphs (and five small ones of its own). Split over two workers, the halves compiled more
 between them than the file does in one process.
 """
 
