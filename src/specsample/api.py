@@ -73,10 +73,8 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                          "on the CPU path, which compiles that path's functions)")
     from . import triton_backend
 
-    dev = torch.device(device)
     # (the layout and tree kernels it launches itself address the current device)
-    with torch.cuda.device(dev) if dev.type == "cuda" and dev.index is not None else (
-            contextlib.nullcontext()):
+    with _current_device(torch.device(device)):
         return triton_backend.warmup(device, vocab_size=vocab_size,
                                      draft_vocab_size=draft_vocab_size, dtypes=dtypes,
                                      methods=methods, on_compile=on_compile, workers=workers)
@@ -109,17 +107,20 @@ def _refuse_uncapturable(backend: str, plan: Plan, op: str, device: torch.device
 
 
 def _current_device(t) -> contextlib.AbstractContextManager:
-    """A block with ``t``'s CUDA device current. The Triton launches (the plan's too) and the
-    workspace address the current device and its stream; the call cache never replays a call
-    whose logits are elsewhere (its key needs their device current). ValueError while the
-    current stream captures a CUDA graph on another device (the call could not be part of
-    it)."""
-    if isinstance(t, torch.Tensor) and t.is_cuda and t.device.index != torch._C._cuda_getDevice():
+    """A block with the CUDA device of ``t`` (a tensor or a torch.device; anything else, or
+    a device without an index, is taken as current) made current. The Triton launches (the
+    plan's too) and the workspace address the current device and its stream; the call cache
+    never replays a call whose logits are elsewhere (its key needs their device current).
+    ValueError while the current stream captures a CUDA graph on another device (the call
+    could not be part of it)."""
+    dev = t.device if isinstance(t, torch.Tensor) else t
+    if (isinstance(dev, torch.device) and dev.type == "cuda" and dev.index is not None
+            and dev.index != torch._C._cuda_getDevice()):
         if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"the logits are on {t.device} but the CUDA graph being captured "
+            raise ValueError(f"the logits are on {dev} but the CUDA graph being captured "
                              f"is on cuda:{torch._C._cuda_getDevice()}; capture on the logits' "
                              "device (torch.cuda.device)")
-        return torch.cuda.device(t.device)
+        return torch.cuda.device(dev)
     return contextlib.nullcontext()
 
 

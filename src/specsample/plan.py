@@ -374,6 +374,13 @@ def _positions(positions, batch: SamplingBatch, n: int, device: torch.device,
     return positions.to(device=device, dtype=torch.int64).contiguous()
 
 
+def _check_batch_device(name: str, device: torch.device, batch: SamplingBatch) -> None:
+    """ValueError unless ``batch``'s tensors are on ``device`` (a batch built for "cuda" is
+    on the device that was current then)."""
+    if device != batch.temperature.device:
+        raise ValueError(f"{name} are on {device} but the batch on {batch.temperature.device}")
+
+
 def build_plan(
     logits: torch.Tensor,
     batch: SamplingBatch,
@@ -420,9 +427,7 @@ def build_plan(
     if logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for "
                          f"vocab_size={batch.vocab_size}")
-    if logits.device != batch.temperature.device:  # (a batch built for "cuda": where it is)
-        raise ValueError(f"logits are on {logits.device} but the batch on "
-                         f"{batch.temperature.device}")
+    _check_batch_device("logits", logits.device, batch)
     if method not in METHODS:
         raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     max_k = _max_num_draft(max_num_draft_tokens)

@@ -56,7 +56,7 @@ from . import api, paths, rng, torch_backend, workspace
 from .errors import SamplingError
 from .outputs import TreeVerifyOutput
 from .params import SamplingBatch
-from .plan import Plan, _check_float_matrix, _num_draft_tuple, _positions
+from .plan import Plan, _check_batch_device, _check_float_matrix, _num_draft_tuple, _positions
 from .processing import _allowed_rows, outputs_before_row, process_rows, row_inputs
 from .torch_backend import _or_per_request
 
@@ -812,9 +812,7 @@ def _verify_tree(target_logits, draft_token_ids, parents, num_nodes, batch, draf
         raise ValueError(f"target_logits have {target_logits.shape[1]} columns but the batch "
                          f"was built for vocab_size={batch.vocab_size}")
     device = target_logits.device
-    if device != batch.temperature.device:  # (a batch built for "cuda": the device it is on)
-        raise ValueError(f"target_logits are on {device} but the batch on "
-                         f"{batch.temperature.device}")
+    _check_batch_device("target_logits", device, batch)
     if capture:
         _check_capturable(batch, device, num_nodes, parents, draft_probs, positions)
     m = _num_nodes_tuple(num_nodes, n)
