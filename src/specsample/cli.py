@@ -476,7 +476,8 @@ def _print_report(report: dict, *, streamed: bool) -> None:
                       f"{report['identical']}", highlight=False)
 
 
-register("generate", "speculative generation on a transformers model (default: SmolLM2-135M)",
+register("generate",
+         "speculative generation on a transformers model (default: SmolLM2-135M-Instruct)",
          add_generate_arguments, run_generate)
 register("bench", "benchmark verify() and sample() against the memory floor (GPU; --cpu-check)",
          add_bench_arguments, run_bench)
