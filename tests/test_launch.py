@@ -169,3 +169,117 @@ def test_known_specialisations_launch_through_the_c_launcher():
             assert run.__name__ == "launch"  # (the C launcher, not CudaLauncher.__call__)
         else:
             assert head[1:] == (None, None, None)
+
+
+# Programmatic dependent launch: the kernels of the package that ``launch`` gives GDC.
+PDL_MODULES = ["kernels", "filters", "logprobs", "tree", "layout", "penalties"]
+
+
+def _package_kernels():
+    for name in PDL_MODULES:
+        mod = importlib.import_module(f"specsample.triton_backend.{name}")
+        for k, v in vars(mod).items():
+            if (k.endswith("_kernel") and hasattr(v, "arg_names")
+                    and v.fn.__module__ == mod.__name__):
+                yield f"{name}.{k}", v
+
+
+def test_every_kernel_waits_for_the_prior_kernel_first():
+    # A kernel launched with programmatic stream serialization may start while the kernel
+    # before it still runs: its first statement must be the wait, before any load or store,
+    # and GDC its last parameter (a constexpr the launcher sets by keyword).
+    import ast
+    import inspect
+    import textwrap
+
+    seen = []
+    for name, kernel in _package_kernels():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+        func = tree.body[0]
+        assert func.args.args[-1].arg == "GDC", name
+        body = func.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # (the docstring)
+        first = body[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and ast.unparse(first.value) == "wait_for_prior_grid(GDC)"), (
+            f"{name} starts with {ast.unparse(first)!r}")
+        assert launch_module._takes_gdc(kernel), name
+        seen.append(name)
+    assert len(seen) >= 18, seen  # (every module's kernels were found)
+
+
+@triton.jit
+def _gdc_flag_kernel(out_ptr, GDC: tl.constexpr):
+    launch_module.wait_for_prior_grid(GDC)
+    tl.store(out_ptr, GDC)
+
+
+def test_gdc_set_by_the_launcher():
+    # The caller never passes GDC: the launcher sets it, true only on a GPU with
+    # programmatic dependent launch (never in Triton's interpreter), and a kernel without the
+    # parameter is launched as before (_add_kernel above).
+    out = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    want = DEVICE == "cuda" and launch_module.pdl_enabled(torch.cuda.current_device())
+    for _ in range(3):  # (Triton's path, then the direct launcher)
+        out.fill_(-1)
+        launch_module.launch(_gdc_flag_kernel)[(1,)](out)
+        assert out.item() == int(want)
+    assert not launch_module._takes_gdc(_add_kernel)
+
+
+@triton.jit
+def _slow_fill_kernel(out_ptr, n, value, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
+                      GDC: tl.constexpr):
+    launch_module.wait_for_prior_grid(GDC)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32) + value
+    for _ in range(ROUNDS):  # (long enough that a kernel launched early would overlap it)
+        acc = tl.sqrt(acc * acc)
+    tl.store(out_ptr + offs, acc, mask=offs < n)
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    launch_module.wait_for_prior_grid(GDC)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dependent_launches_read_what_the_prior_kernel_wrote():
+    # A chain of programmatic dependent launches, eager and replayed from a CUDA graph: each
+    # kernel reads what the one before it wrote (a race would show the previous value).
+    if not launch_module.pdl_enabled(torch.cuda.current_device()):
+        pytest.skip("no programmatic dependent launch on this GPU")
+    n, block = 1 << 20, 1024
+    a = torch.zeros(n, device="cuda")
+    b = torch.zeros(n, device="cuda")
+    grid = (triton.cdiv(n, block),)
+
+    def step(v):
+        launch_module.launch(_slow_fill_kernel)[grid](a, n, v, ROUNDS=200, BLOCK=block)
+        launch_module.launch(_copy_kernel)[grid](a, b, n, BLOCK=block)
+        launch_module.launch(_copy_kernel)[grid](b, a, n, BLOCK=block)
+
+    for v in range(1, 6):
+        step(float(v))
+        assert torch.equal(a, torch.full_like(a, v + 2.0))
+    # (the direct launches pass the C launcher's launch_pdl flag)
+    entries = [v for k, v in launch_module._COMPILED.items() if k[0] is _copy_kernel]
+    assert entries and all(head[1] is True for _run, _function, head, _pad in entries)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step(7.0)
+    for _ in range(20):
+        a.zero_()
+        b.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, torch.full_like(a, 9.0))

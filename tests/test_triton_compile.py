@@ -53,8 +53,9 @@ from test_triton_logprobs import _with_logprobs  # noqa: E402
 
 KERNEL_MODULES = ["kernels", "filters", "logprobs", "tree", "layout"]
 # constexpr name -> the value the CUDA launcher passes where the interpreted one differs
-# (WB: specsample.distributed's rank lanes, 1 in the one-rank group the test runs)
-GPU_VALUES = {"CAP": triton_backend.FILTER_CAP, "WB": 2}
+# (WB: specsample.distributed's rank lanes, 1 in the one-rank group the test runs; GDC:
+# programmatic dependent launch, which the interpreter never asks for)
+GPU_VALUES = {"CAP": triton_backend.FILTER_CAP, "WB": 2, "GDC": True}
 SRC = Path(specsample.__file__).resolve().parents[1]  # the subprocess compiles this copy
 
 # Logprob requests cycled over a batch's requests: (n, mode).

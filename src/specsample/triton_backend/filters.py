@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _k_eff, _load_tiles, _row_stats
+from .launch import wait_for_prior_grid
 from .penalties import process, setup
 
 INT_MAX = tl.constexpr(2147483647)
@@ -277,12 +278,13 @@ def bounds_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   k_given_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                   part_m_ptr, part_s_ptr, part_f_ptr, S, tilemax_ptr, tilesum_ptr, tiletop_ptr,
                   NT, bnd_ptr, mt_ptr, count_ptr, NT_PAD: tl.constexpr, SHIFT: tl.constexpr,
-                  S_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                  S_MAX: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """One program per row: what ``gather_kernel``'s programs of the row need, computed once
     (``bnd`` [T, 4] int64: flags (1 gather, 2 top_p's tail is needed, 4 min_p on), L, the
     lowest key whose tiles are read, min_p's cut key; ``mt`` [T, 2] float32: m, T), and the
     row's candidate count (``count`` [T] int32) set to 0 for the gather's atomics (the
     buffer is reused between calls)."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
         r, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_start_ptr, k_given_ptr, temp_ptr,
@@ -312,12 +314,13 @@ def gather_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, T
                   draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
                   bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                   CAP: tl.constexpr, SHIFT: tl.constexpr,
-                  PEN: tl.constexpr, BLOCK: tl.constexpr):
+                  PEN: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Per (row, split of TPS tiles), with the row's bounds from ``bounds_kernel``: append the
     candidates (key >= L) to the row's buffer (``count`` [T] must be zero before) and write
     the float64 mass of the tokens below L that top_p's total needs (``tail`` [T, splits]).
     PEN: the rows are processed as they are loaded (:func:`_load_values`; ``rep_ptr`` ..
     ``bval_ptr`` as ``kernels.stats_kernel``'s)."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     s = tl.program_id(1)
     o = r.to(tl.int64) * 4
@@ -577,13 +580,14 @@ def select_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                   CAP: tl.constexpr, NT_PAD: tl.constexpr,
                   SHIFT: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, GDC: tl.constexpr):
     """One program per row: the exact cut (cut_v, cut_i) of min_p -> top_k -> top_p from the
     row's sorted candidates (or the serial search when they overflowed ``CAP``). Rows that are
     not live, greedy, invalid or unfiltered get (-inf, INT_MAX). A row cut from its candidates
     holds all its survivors in them: its tile sums are rewritten here (``done`` [T] int32 = 1,
     ``rewrite_kernel`` skips it); others get ``done`` = 0. PEN: as :func:`gather_kernel`'s
     (the serial search reads the processed rows)."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     done = r * 0
     ok, m, t, top_k, top_p, min_p, k_on, p_on, min_on = _row_setup(
@@ -672,12 +676,13 @@ def rewrite_kernel(x_ptr, stride, V, tilemax_ptr, tilesum_ptr, tiletop_ptr, NT, 
                    row_req_ptr, cut_v_ptr, cut_i_ptr, done_ptr, row_j_ptr, draft_ids_ptr,
                    draft_start_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV,
                    bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
-                   PEN: tl.constexpr, BLOCK: tl.constexpr):
+                   PEN: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Per (row, split of TPS tiles) of a filtered row (cut_v > -inf) that ``select_kernel``
     did not rewrite (``done`` 0: min_p alone, or candidates that overflowed): each tile's sum
     becomes the survivors' sum of exp2((y - ref) * log2(e) / T), with the statistics pass's
     reference ``ref``; tiles whose maximum is below the cut get 0. PEN: as
     :func:`gather_kernel`'s."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     s = tl.program_id(1)
     cut_v = tl.load(cut_v_ptr + r)

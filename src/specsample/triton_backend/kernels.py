@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import rng
+from .launch import wait_for_prior_grid
 from .logprobs import _survives, rank_tiles
 from .penalties import ban, ban_setup, process, process_at, setup
 
@@ -188,7 +189,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
                  rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
                  bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV, WRITE_TOP: tl.constexpr,
                  DRAFT: tl.constexpr, PEN: tl.constexpr,
-                 TPC: tl.constexpr, BLOCK: tl.constexpr):
+                 TPC: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Per (row, split): max and sum exp((x - max) / T) (the plain sum and the argmax for
     probabilities) and flags; for the target rows also, per tile, a reference ``ref`` (the
     max of its chunk of TPC tiles) and sum exp((x - ref) / T), so the tile's log-mass is
@@ -212,6 +213,7 @@ def stats_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft_
     PEN 1 (logit_bias) or 2 (penalties too): the target rows are processed as they are loaded
     (``penalties.process``; the ``rep_ptr`` .. ``bval_ptr`` arguments), and their flags
     describe the processed values (with FLAG_PROCESSED)."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -519,7 +521,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
                   bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                   FILTERED: tl.constexpr, RANK: tl.constexpr,
                   NT_SORT: tl.constexpr, NPAD: tl.constexpr, PEN: tl.constexpr,
-                  S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                  S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """One program per live row: combine the row's splits into (max, log-normaliser, flags),
     and draw the row's token: argmax for greedy requests, else the exact three-level Gumbel-max
     draw (``_tiled_sample``). Writes y [T] and stats [T, 3] = (max, log-normaliser, flags).
@@ -534,6 +536,7 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     residual kernels read: one combine per draft row instead of one in every kernel that
     reads the row. A runtime flag, not a constant: no sampling-kernel variants of its own.
     PEN: as :func:`stats_kernel`'s (the draw reads the processed values)."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
@@ -568,7 +571,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
                       counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP,
                       aslot_ptr, amask_ptr,
                       AV, PEN: tl.constexpr, S_MAX: tl.constexpr, TPC: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, GDC: tl.constexpr):
     """:func:`stats_kernel` (logits, with tiles), :func:`sample_kernel` (unfiltered, no tile
     ranking) and :func:`finish_kernel` (no draft distributions) in one launch: the last of a
     row's S split programs to finish draws the row's token, and the last of a request's
@@ -594,6 +597,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
     finishing program reuses it, and takes the
     request's first row as r - j (a request's rows are contiguous) and its first draft row
     from the same look-up as the ids."""
+    wait_for_prior_grid(GDC)
     r = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -757,7 +761,8 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
                   CV, bstart_ptr, bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                   HAS_DRAFT: tl.constexpr,
                   DRAFT_PROBS: tl.constexpr, BLOCK_METHOD: tl.constexpr,
-                  RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr):
+                  RHO_ONLY: tl.constexpr, PEN: tl.constexpr, S_MAX: tl.constexpr,
+                  GDC: tl.constexpr):
     """One program per request: decide acceptance from the rows' samples and statistics (from
     ``sample_kernel`` or ``stats_draw_kernel``), draw the correction from the residual where a
     draft distribution was rejected, and write token ids [K+1], num_accepted and the error
@@ -775,6 +780,7 @@ def finish_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi
     With ``lp0`` it also writes logprobs = 0 (``_emitted_logprob``) into lp_v / lp_i [N, K+1].
     PEN (with a draft distribution): p_j(d_j) is read from the target rows processed with the
     batch's logit_bias and penalties (``penalties.process_at``), as the statistics were."""
+    wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
@@ -1070,7 +1076,7 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
                       freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
                       bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                       DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                      PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
+                      PEN: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Per (draft row, split of CPS chunks): the split's part of block verification's
     Z_j = sum_x max(rho_j p_j(x) - q_j(x), 0) (Sun et al. 2024, Alg. 2), for the draft rows
     whose Z_j can still change the accepted length, and row 0 (rho_0 = 1) of every request
@@ -1080,6 +1086,7 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
     tmass [drafts, NT] of the rows it reads, from which ``residual_draw_kernel`` draws the
     correction at row tau (it is one of them: eta_tau <= rho_tau, or tau = 0). PEN: as
     :func:`residual_kernel`'s."""
+    wait_for_prior_grid(GDC)
     dr = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -1110,12 +1117,13 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
                          freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
                          bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                          DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Block verification with a second draft: per request whose draft was rejected,
     :func:`_residual_draw` from ``block_mass_kernel``'s tile masses (mass [drafts, NT] and
     rho_row [drafts], read at the draft row of the rejected position). Token level (and block
     verification without a second draft) draws in :func:`residual_kernel` instead, in the
     launch that sums the masses."""
+    wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP,
@@ -1137,7 +1145,7 @@ def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_
                     rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
                     bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
                     DRAFT_PROBS: tl.constexpr, FILTERED: tl.constexpr,
-                    PEN: tl.constexpr, BLOCK: tl.constexpr):
+                    PEN: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """The residual of every request whose draft was rejected (res_row >= 0), rho_tau 1
     (token level, and block verification when no request has two drafts, where a rejected
     block has tau = 0), in one launch of grid (N, S): program (i, s) writes the masses of
@@ -1149,6 +1157,7 @@ def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_
     being summed: no second launch (the pattern of :func:`stats_draw_kernel`). ``done_ptr``
     [N] int32 is all zeros before the launch and after it. PEN: the target rows are processed
     with the batch's logit_bias and penalties (``stats_kernel``)."""
+    wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     s = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,

@@ -24,6 +24,18 @@ scratch memory, straight into the C launcher (``_launcher``). Every launch in Tr
 interpreter goes through ``kernel[grid]``. What it skips: the string key, the driver's pointer
 check (our callers validate devices), and the check that the globals a kernel reads have not
 changed since it compiled (ours are module constants that nothing reassigns).
+Programmatic dependent launch (sm_90 and later): every kernel of this package takes a
+``GDC`` constexpr, which :class:`launch` sets (the caller never passes it), and starts with
+:func:`wait_for_prior_grid`. On a GPU of compute capability 9 or more GDC is true and the
+direct launches set the C launcher's ``launch_pdl`` flag (programmatic stream serialization):
+the kernel may be launched before the kernel ahead of it on the stream has finished, and
+its programs wait (``griddepcontrol.wait``) until that kernel has finished and its writes are
+visible, before any load or store. The launch of each kernel of a call overlaps the exit of
+the one before it, eager and in a CUDA graph (0.1-1.5 us less per replay, 5-11 us less per
+back-to-back eager call at B >= 8 on an H100: BENCHMARKS.md, "Programmatic dependent
+launch"). A first launch (Triton's path) is an ordinary launch; the wait is then a no-op.
+Elsewhere (older GPUs, Triton's interpreter, another Triton version, ``SPECSAMPLE_PDL=0`` in
+the environment) GDC is false and every launch an ordinary one: the same code otherwise.
 ``compile_pool.collect`` sets ``_COMPILED`` aside while it lists variants, so that every launch
 then reaches its hook. While ``specsample.call_cache`` records a call, each direct launch is
 added to the recording, and a launch that takes Triton's path fails it: every kernel a
@@ -32,11 +44,14 @@ added to the recording, and a launch that takes Triton's path fails it: every ke
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
+from triton.language.extra.cuda import gdc_wait
 from triton.runtime.driver import driver
 
 from ..call_cache import recording
@@ -50,6 +65,40 @@ _I32 = 1 << 31
 _I64 = 1 << 63
 _U64 = 1 << 64
 _Tensor = torch.Tensor
+# Programmatic dependent launch where the GPU has it (module docstring); SPECSAMPLE_PDL=0
+# in the environment turns it off for the process (benchmarks compare both).
+PDL = os.environ.get("SPECSAMPLE_PDL", "1") != "0"
+_PDL_DEVICES: dict[int, bool] = {}  # device index -> programmatic dependent launches there
+_TAKES_GDC: dict[Any, bool] = {}  # kernel -> whether it has the GDC parameter
+
+
+@triton.jit
+def wait_for_prior_grid(GDC: tl.constexpr):
+    """The first statement of every kernel launched through :class:`launch`: with GDC, wait
+    until the kernel before this one on the stream has finished and its memory operations are
+    visible (PTX ``griddepcontrol.wait``). Nothing without GDC. (No early
+    ``griddepcontrol.launch_dependents``: the next kernel launches as this one's programs
+    exit; BENCHMARKS.md, "Programmatic dependent launch".)"""
+    if GDC:
+        gdc_wait()
+
+
+def pdl_enabled(device: int) -> bool:
+    """Whether launches on CUDA device ``device`` (an index) are programmatic dependent
+    launches (the module docstring): :data:`PDL`, compute capability 9.0 or more, and the
+    Triton version whose C launcher ``_launcher`` calls (``_C_LAUNCH_CHECKED``)."""
+    on = _PDL_DEVICES.get(device)
+    if on is None:
+        on = _PDL_DEVICES[device] = (PDL and _C_LAUNCH_CHECKED
+                                     and torch.cuda.get_device_capability(device)[0] >= 9)
+    return on
+
+
+def _takes_gdc(kernel: Any) -> bool:
+    on = _TAKES_GDC.get(kernel)
+    if on is None:
+        on = _TAKES_GDC[kernel] = "GDC" in getattr(kernel, "arg_names", ())
+    return on
 
 
 def arg_key(args: tuple) -> tuple[tuple, list] | None:
@@ -94,7 +143,11 @@ class _Launch:
         kernel, grid = self.kernel, self.grid
         keyed = None
         rec = recording()
-        if hasattr(kernel, "device_caches") and not (
+        gpu = hasattr(kernel, "device_caches")  # (else Triton's interpreter)
+        device = driver.active.get_current_device() if gpu else None
+        if _takes_gdc(kernel):
+            meta["GDC"] = gpu and pdl_enabled(device)
+        if gpu and not (
                 _hooked(knobs.runtime.launch_enter_hook)
                 or _hooked(knobs.runtime.launch_exit_hook)):
             keyed = arg_key(args)  # (else Triton's interpreter, or launch hooks that read
@@ -104,7 +157,6 @@ class _Launch:
             kernel[grid](*args, **meta)
             return
         akey, values = keyed
-        device = driver.active.get_current_device()
         # (the meta values' types too: True == 1 == 1.0, but Triton keys them apart)
         key = (kernel, device, akey, tuple(meta.items()), tuple(map(type, meta.values())),
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
@@ -118,6 +170,10 @@ class _Launch:
             pad = _constexpr_tail(kernel, len(args))
             if compiled is not None and pad is not None:
                 run, head = _launcher(compiled)
+                if meta.get("GDC") is True and head[:2] == (False, False):
+                    # the C launcher's launch_pdl flag (programmatic stream serialization),
+                    # for a kernel that waits for its predecessor
+                    head = (False, True, *head[2:])
                 _COMPILED[key] = (run, compiled.function, (*head, compiled.packed_metadata,
                                                            None, None, None), (None,) * pad)
             return

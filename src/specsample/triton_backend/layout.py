@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..params import FRESH_PERIOD, FRESH_STRIDE
 from ..plan import ERR_NUM_DRAFT_TOKENS, check_fresh_positions
-from .launch import launch
+from .launch import launch, wait_for_prior_grid
 
 BLOCK_N = 256  # requests per step of the loops
 BLOCK_J = 8  # rows per request per step of the scatter
@@ -30,10 +30,11 @@ _STRIDE = tl.constexpr(FRESH_STRIDE)
 
 
 @triton.jit(do_not_specialize=["N"])
-def fresh_positions_kernel(counter_ptr, pos_ptr, N, BLOCK: tl.constexpr):
+def fresh_positions_kernel(counter_ptr, pos_ptr, N, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Grid (1,). counter [1] int64 (the batch's ``fresh_counter``, c); writes pos [N] int64
     = (c mod FRESH_PERIOD) * FRESH_STRIDE, then sets the counter to c + 1 (one program: it
     reads the counter before it writes it)."""
+    wait_for_prior_grid(GDC)
     c = tl.load(counter_ptr)
     p = (c % _PERIOD) * _STRIDE
     offs = tl.arange(0, BLOCK)
@@ -58,13 +59,14 @@ def fresh_positions(batch) -> torch.Tensor:
 @triton.jit(do_not_specialize=["N", "S", "T", "max_k"])
 def layout_kernel(k_ptr, N, S, T, max_k, row_start_ptr, draft_start_ptr, row_req_ptr,
                   row_j_ptr, draft_req_ptr, draft_j_ptr, k_given_ptr, err_ptr,
-                  BLOCK: tl.constexpr, BJ: tl.constexpr):
+                  BLOCK: tl.constexpr, BJ: tl.constexpr, GDC: tl.constexpr):
     """Grid (1,). k [N] int64 (device, never read on the host); N requests, S drafts,
     T = N + S rows, the output width ``max_k`` + 1. Writes the [N] row_start, draft_start,
     k_given, err, the [T] row_req, row_j and the [S] draft_req, draft_j of
     ``plan._device_layout``: if some k_i < 0 or sum k_i != S every request is flagged and laid
     out with k_i = 0 (rows and drafts no request owns go to the last request, with j past its
     k_given); a k_i > max_k flags that request alone, whose rows keep their places."""
+    wait_for_prior_grid(GDC)
     offs = tl.arange(0, BLOCK)
     s64 = S.to(tl.int64)
     neg = N * 0
@@ -143,10 +145,12 @@ def device_layout(k: torch.Tensor, max_k: int, num_rows: int, num_drafts: int
 
 @triton.jit(do_not_specialize=["W", "L"])
 def mark_kernel(layout_err_ptr, token_ids_ptr, W, num_accepted_ptr, invalid_ptr, err_ptr,
-                lp_ptr, lp_ids_ptr, L, HAS_LP: tl.constexpr, BLOCK: tl.constexpr):
+                lp_ptr, lp_ids_ptr, L, HAS_LP: tl.constexpr, BLOCK: tl.constexpr,
+                GDC: tl.constexpr):
     """Grid (N,): request i with ``layout_err[i] != 0`` becomes invalid in place: its W token
     ids -1, num_accepted 0, ``err[i] |= layout_err[i]``, its W x L logprobs -inf and their
     ids -1 (``HAS_LP``). Other requests are not touched."""
+    wait_for_prior_grid(GDC)
     i = tl.program_id(0).to(tl.int64)
     e = tl.load(layout_err_ptr + i)
     if e != 0:

@@ -54,7 +54,7 @@ import triton.language as tl
 from .. import rng, workspace
 from ..params import MAX_FUSED_TOP_N
 from ..plan import Plan
-from .launch import launch
+from .launch import launch, wait_for_prior_grid
 from .penalties import process, process_at, setup
 
 BLOCK_TILE = rng.TILE
@@ -190,7 +190,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
                         aslot_ptr, amask_ptr, AV,
                         GENERAL: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr,
                         RAWTOP: tl.constexpr, NPAD: tl.constexpr, CAND: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Program (position, q) of an emitted position: for each rank rq = q, q + G, ... below
     n, the best n - rq entries >= L of the tile of rank rq (``rank_tiles``) of the row the
     position ranks (the rows sampled from, unmasked: merging applies the filters' cut; with
@@ -202,6 +202,7 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
     into rawtop [positions, NT] for ``raw_topn_kernel``, which extracts raw top-n.
 
     The extraction starts from the tile's maximum (its rank key holds it)."""
+    wait_for_prior_grid(GDC)
     p = tl.program_id(0)
     q = tl.program_id(1)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -260,12 +261,13 @@ def topn_partial_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_a
 def raw_topn_kernel(raw_ptr, raw_stride, V, K1, num_acc_ptr, invalid_ptr, row_start_ptr,
                     lp_n_ptr, lp_proc_ptr, temp_ptr, cut_v_ptr, cut_i_ptr, count_ptr,
                     cand_ptr, rawtop_ptr, NT, G, filtered, NT_SORT: tl.constexpr,
-                    NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+                    NPAD: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
     """Raw top-n of the emitted positions in raw mode when the kernels process the rows (so
     that the statistics pass's tile maxima are of the processed rows): program (position, q)
     ranks the position's raw tile maxima (``topn_partial_kernel``'s rawtop, as
     ``rank_tiles`` ranks) and appends the best n - rq entries >= L of the raw tiles of rank
     rq = q, q + G, ... below n to its candidates."""
+    wait_for_prior_grid(GDC)
     p = tl.program_id(0)
     q = tl.program_id(1)
     i, j, r, emitted, raw, n_want, keep_all, t_eff = _position(
@@ -344,11 +346,13 @@ def logprob_merge_kernel(raw_ptr, raw_stride, proc_ptr, proc_stride, V, K1, num_
                          aslot_ptr, amask_ptr, AV,
                          GENERAL: tl.constexpr, PEN: tl.constexpr, ZRANK: tl.constexpr,
                          NPAD: tl.constexpr, CAND: tl.constexpr, CAND_PAD: tl.constexpr,
-                         SMALL: tl.constexpr, S_MAX: tl.constexpr, OUT_PAD: tl.constexpr):
+                         SMALL: tl.constexpr, S_MAX: tl.constexpr, OUT_PAD: tl.constexpr,
+                         GDC: tl.constexpr):
     """Per position: column 0 (the emitted token's logprob; with PEN its processed value from
     ``penalties.process_at``), columns 1..n (``_emit_sorted`` of its candidates when at most
     SMALL hold them, as they usually do, else of the best n of its up to CAND_PAD), -inf / -1
     elsewhere and at positions not emitted."""
+    wait_for_prior_grid(GDC)
     p = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
            bval_ptr, draft_ids_ptr, draft_start_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV)

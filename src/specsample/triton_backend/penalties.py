@@ -42,6 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import wait_for_prior_grid
+
 NO_ENTRY = tl.constexpr(2**62)  # the bias id past a request's last entry, the ban table's pad
 
 
@@ -51,7 +53,7 @@ BAN_COLUMNS = tl.constexpr(16)  # ban-table columns written per step of ban_tabl
 @triton.jit(do_not_specialize=["KP", "BW", "W"])
 def ban_table_kernel(out_ptr, tmp_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_prefix_ptr,
                      bad_last_ptr, stop_start_ptr, stop_ids_ptr, num_output_ptr, min_tokens_ptr,
-                     k_given_ptr, draft_ids_ptr, draft_start_ptr):
+                     k_given_ptr, draft_ids_ptr, draft_start_ptr, GDC: tl.constexpr):
     """One program per row j of request i (grid N * KP): row i * KP + j of the ban table
     ``out`` [N * KP, BW] int64, sorted, NO_ENTRY where nothing is banned. Before the sort
     (written to ``tmp``, the same shape), column c < the request's bad words holds word c's
@@ -62,6 +64,7 @@ def ban_table_kernel(out_ptr, tmp_ptr, KP, BW, tail_ptr, W, bad_start_ptr, bad_p
     -1 padded) then its drafts d_0 .. d_{j-1}; a word's prefix [W] is right-aligned with -1
     padding (-1 matches anything). The sort places each entry at its rank (entries below it,
     and equal ones in earlier columns): BW^2 / 256 steps of 16 x 16 comparisons."""
+    wait_for_prior_grid(GDC)
     pid = tl.program_id(0)
     i = pid // KP
     j = pid % KP

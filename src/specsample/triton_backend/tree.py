@@ -36,7 +36,7 @@ from .. import tree as tree_mod
 from ..outputs import TreeVerifyOutput
 from ..torch_backend import ERR_DRAFT_ID, ERR_LOGITS_NAN, ERR_LOGITS_NO_FINITE, ERR_TREE_SIBLINGS
 from . import _contiguous_rows, _interpreting, draw_rows, exact_rank_rows, kernels, stats_logprobs
-from .launch import launch
+from .launch import launch, wait_for_prior_grid
 
 _FLAG_BAD = int(kernels.FLAG_BAD.value)
 _FLAG_FINITE = int(kernels.FLAG_FINITE.value)
@@ -58,7 +58,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
                 row_depth_ptr, row_node_ptr, path_ptr, err_in_ptr, V, N, R, MAXR, D, W, DL,
                 tok_ptr, nacc_ptr, node_ptr, invalid_ptr, err_ptr, HAS_ERR_IN: tl.constexpr,
                 CHECK_SIBLINGS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_R: tl.constexpr):
+                BLOCK_R: tl.constexpr, GDC: tl.constexpr):
     """One program per request: the error bits, the sample-and-match walk and the outputs of
     a deterministic tree (``specsample.tree._tree_errors``, ``_walk_match`` and
     ``assemble_output`` without logprobs, in one launch).
@@ -79,6 +79,7 @@ def walk_kernel(y_ptr, stats_ptr, row_start_ptr, children_ptr, node_tok_ptr, row
     [N, D + 1], num_accepted [N], accepted_node_ids [N, D] (int64), invalid [N] bool, err [N]
     int64. Children, path positions and rows are read in fixed blocks (three variants in all,
     whatever the trees' width and depth: nothing to compile after warmup)."""
+    wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     rs = tl.load(row_start_ptr + i)
     nxt_start = tl.load(row_start_ptr + i + 1, mask=i + 1 < N, other=0)
