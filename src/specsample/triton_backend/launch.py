@@ -84,13 +84,16 @@ def wait_for_prior_grid(GDC: tl.constexpr):
 
 
 def pdl_enabled(device: int) -> bool:
-    """Whether launches on CUDA device ``device`` (an index) are programmatic dependent
-    launches (the module docstring): :data:`PDL`, compute capability 9.0 or more, and the
-    Triton version whose C launcher ``_launcher`` calls (``_C_LAUNCH_CHECKED``)."""
+    """Whether launches on CUDA device ``device`` (an index, the current device) are
+    programmatic dependent launches (the module docstring): :data:`PDL`, Triton's target for
+    the device a CUDA one of compute capability 9.0 or more (what the kernels compile for),
+    and the Triton version whose C launcher ``_launcher`` calls (``_C_LAUNCH_CHECKED``)."""
     on = _PDL_DEVICES.get(device)
     if on is None:
-        on = _PDL_DEVICES[device] = (PDL and _C_LAUNCH_CHECKED
-                                     and torch.cuda.get_device_capability(device)[0] >= 9)
+        target = driver.active.get_current_target()
+        on = _PDL_DEVICES[device] = bool(
+            PDL and _C_LAUNCH_CHECKED and target.backend == "cuda"
+            and isinstance(target.arch, int) and target.arch >= 90)
     return on
 
 
