@@ -5,6 +5,9 @@ the interpreter."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 pytest.importorskip("specsample.triton_backend")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
 launch_module = importlib.import_module("specsample.triton_backend.launch")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,6 +170,7 @@ def test_known_specialisations_launch_through_the_c_launcher():
     for run, _function, head, _pad in entries:
         if launch_module._C_LAUNCH_CHECKED:
             assert len(head) == 4 + 4  # (flags, two scratch pointers, metadata, hooks)
+            assert head[1] is False  # (no launch_pdl: the kernel has no GDC, so no wait)
             assert run.__name__ == "launch"  # (the C launcher, not CudaLauncher.__call__)
         else:
             assert head[1:] == (None, None, None)
@@ -228,10 +233,31 @@ def test_gdc_set_by_the_launcher():
     assert not launch_module._takes_gdc(_add_kernel)
 
 
+def test_pdl_off_in_the_environment():
+    # SPECSAMPLE_PDL=0 (or false / off / no), read at import: no programmatic dependent
+    # launch, decided before any device is asked about (this machine may have none).
+    head = "import importlib; m = importlib.import_module('specsample.triton_backend.launch'); "
+    cases = [("0", "assert m.PDL is False and m.pdl_enabled(0) is False"),
+             ("off", "assert m.PDL is False and m.pdl_enabled(0) is False"),
+             ("No", "assert m.PDL is False and m.pdl_enabled(0) is False"),
+             (None, "assert m.PDL is True")]
+    for value, check in cases:
+        env = {k: v for k, v in os.environ.items() if k != "SPECSAMPLE_PDL"}
+        if value is not None:
+            env["SPECSAMPLE_PDL"] = value
+        run = subprocess.run([sys.executable, "-c", head + check], env=env,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, (value, run.stderr[-2000:])
+
+
 @triton.jit
 def _slow_fill_kernel(out_ptr, n, value, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
                       GDC: tl.constexpr):
     launch_module.wait_for_prior_grid(GDC)
+    if GDC:
+        # (test only: the next kernel may launch at once, while these programs still run,
+        # so that a copy that did not wait would read the old values)
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32) + value
     for _ in range(ROUNDS):  # (long enough that a kernel launched early would overlap it)

@@ -81,7 +81,15 @@ def compile_one(v):
     try:
         src = ASTSource(fn=fn, signature=v["signature"], constexprs=v["constexprs"])
         if v["full"]:
-            triton.compile(src, target=TARGET, options=OPTIONS)
+            compiled = triton.compile(src, target=TARGET, options=OPTIONS)
+            # (programmatic dependent launch: the wait must be in the code, before any load)
+            if v["constexprs"].get("GDC") is True:
+                ptx = compiled.asm["ptx"]
+                wait = ptx.find("griddepcontrol.wait")
+                load = min([i for i in (ptx.find("ld.global"), ptx.find("atom.global"))
+                            if i >= 0] or [len(ptx)])
+                if not 0 <= wait < load:
+                    return dict(v, error="griddepcontrol.wait missing or after a load")
         else:  # the front end only, as triton.compile starts
             backend = make_backend(TARGET)
             options = backend.parse_options(OPTIONS)

@@ -24,16 +24,19 @@ scratch memory, straight into the C launcher (``_launcher``). Every launch in Tr
 interpreter goes through ``kernel[grid]``. What it skips: the string key, the driver's pointer
 check (our callers validate devices), and the check that the globals a kernel reads have not
 changed since it compiled (ours are module constants that nothing reassigns).
-Programmatic dependent launch (sm_90 and later): every kernel of this package takes a
-``GDC`` constexpr, which :class:`launch` sets (the caller never passes it), and starts with
-:func:`wait_for_prior_grid`. On a GPU of compute capability 9 or more GDC is true and the
-direct launches set the C launcher's ``launch_pdl`` flag (programmatic stream serialization):
+Programmatic dependent launch (sm_90 and later): every kernel of the single-device backend
+(this package's modules; not ``specsample._distributed_kernels``, whose launches stay
+ordinary) takes a ``GDC`` constexpr, which :class:`launch` sets (the caller never passes it),
+and starts with :func:`wait_for_prior_grid`. On a CUDA GPU of compute capability 9 or more
+GDC is true and the direct launches of kernels that need no scratch memory (all of ours) set
+the C launcher's ``launch_pdl`` flag (programmatic stream serialization):
 the kernel may be launched before the kernel ahead of it on the stream has finished, and
 its programs wait (``griddepcontrol.wait``) until that kernel has finished and its writes are
 visible, before any load or store. The launch of each kernel of a call overlaps the exit of
 the one before it, eager and in a CUDA graph (0.1-1.5 us less per replay, 5-11 us less per
 back-to-back eager call at B >= 8 on an H100: BENCHMARKS.md, "Programmatic dependent
-launch"). A first launch (Triton's path) is an ordinary launch; the wait is then a no-op.
+launch"). A launch through Triton's path (the first of a specialisation, or one while
+launch hooks are installed) is an ordinary launch; the wait is then a no-op.
 Elsewhere (older GPUs, Triton's interpreter, another Triton version, ``SPECSAMPLE_PDL=0`` in
 the environment) GDC is false and every launch an ordinary one: the same code otherwise.
 ``compile_pool.collect`` sets ``_COMPILED`` aside while it lists variants, so that every launch
@@ -67,7 +70,7 @@ _U64 = 1 << 64
 _Tensor = torch.Tensor
 # Programmatic dependent launch where the GPU has it (module docstring); SPECSAMPLE_PDL=0
 # in the environment turns it off for the process (benchmarks compare both).
-PDL = os.environ.get("SPECSAMPLE_PDL", "1") != "0"
+PDL = os.environ.get("SPECSAMPLE_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 _PDL_DEVICES: dict[int, bool] = {}  # device index -> programmatic dependent launches there
 _TAKES_GDC: dict[Any, bool] = {}  # kernel -> whether it has the GDC parameter
 
@@ -90,10 +93,12 @@ def pdl_enabled(device: int) -> bool:
     and the Triton version whose C launcher ``_launcher`` calls (``_C_LAUNCH_CHECKED``)."""
     on = _PDL_DEVICES.get(device)
     if on is None:
-        target = driver.active.get_current_target()
-        on = _PDL_DEVICES[device] = bool(
-            PDL and _C_LAUNCH_CHECKED and target.backend == "cuda"
-            and isinstance(target.arch, int) and target.arch >= 90)
+        on = False
+        if PDL and _C_LAUNCH_CHECKED:
+            target = driver.active.get_current_target()
+            on = (target.backend == "cuda" and isinstance(target.arch, int)
+                  and target.arch >= 90)
+        _PDL_DEVICES[device] = on
     return on
 
 
@@ -147,9 +152,6 @@ class _Launch:
         keyed = None
         rec = recording()
         gpu = hasattr(kernel, "device_caches")  # (else Triton's interpreter)
-        device = driver.active.get_current_device() if gpu else None
-        if _takes_gdc(kernel):
-            meta["GDC"] = gpu and pdl_enabled(device)
         if gpu and not (
                 _hooked(knobs.runtime.launch_enter_hook)
                 or _hooked(knobs.runtime.launch_exit_hook)):
@@ -157,23 +159,30 @@ class _Launch:
         if keyed is None:          # the arguments as given)
             if rec is not None:
                 rec.fail("launch.triton")
+            if _takes_gdc(kernel):
+                meta["GDC"] = gpu and pdl_enabled(driver.active.get_current_device())
             kernel[grid](*args, **meta)
             return
         akey, values = keyed
-        # (the meta values' types too: True == 1 == 1.0, but Triton keys them apart)
+        device = driver.active.get_current_device()
+        # (the meta values' types too: True == 1 == 1.0, but Triton keys them apart; GDC, set
+        # below on a miss, is decided by the kernel and the device, both in the key)
         key = (kernel, device, akey, tuple(meta.items()), tuple(map(type, meta.values())),
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         entry = _COMPILED.get(key)
         if entry is None:
             if rec is not None:
                 rec.fail("launch.first")
+            gdc = False
+            if _takes_gdc(kernel):
+                meta["GDC"] = gdc = pdl_enabled(device)
             compiled = kernel[grid](*args, **meta)  # compiles if needed, and launches
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
             pad = _constexpr_tail(kernel, len(args))
             if compiled is not None and pad is not None:
                 run, head = _launcher(compiled)
-                if meta.get("GDC") is True and head[:2] == (False, False):
+                if gdc and head[:2] == (False, False):
                     # the C launcher's launch_pdl flag (programmatic stream serialization),
                     # for a kernel that waits for its predecessor
                     head = (False, True, *head[2:])
