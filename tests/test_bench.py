@@ -37,6 +37,7 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, capsys):
     varying = [c for c in cases if c["counts"] == "varying"]
     assert [c["rows"] for c in varying] == [1, 1 + 2]  # k_i = i mod (K + 1)
     assert report["copy_bandwidth_bytes_per_s"] > 0
+    assert report["environment"]["pdl"] is False  # (CPU: no programmatic dependent launch)
     for case in cases:
         for variant in ("fused", "unfused"):
             assert case[variant]["error"] is None, case[variant]["error"]

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import platform
@@ -884,18 +885,24 @@ def plot(results: list[dict], path: Path) -> bool:
 
 
 def environment(device: torch.device, backend: str) -> dict:
-    """Versions and device of this run."""
+    """Versions and device of this run, and ``pdl``: whether the Triton kernels were
+    programmatic dependent launches (``triton_backend.launch``; ``SPECSAMPLE_PDL``)."""
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    pdl = False
+    if _cuda(device) and backend == "triton":
+        with torch.cuda.device(device):
+            launch = importlib.import_module("specsample.triton_backend.launch")
+            pdl = launch.pdl_enabled(torch.cuda.current_device())
     return {
         "device": torch.cuda.get_device_name(device) if _cuda(device) else platform.processor()
         or platform.machine(),
         "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
-        "backend": backend, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "backend": backend, "pdl": pdl, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
