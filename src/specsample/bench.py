@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import math
 import platform
@@ -895,9 +894,10 @@ def environment(device: torch.device, backend: str) -> dict:
         triton_version = None
     pdl = False
     if _cuda(device) and backend == "triton":
+        from .triton_backend.launch import pdl_enabled
+
         with torch.cuda.device(device):
-            launch = importlib.import_module("specsample.triton_backend.launch")
-            pdl = launch.pdl_enabled(torch.cuda.current_device())
+            pdl = pdl_enabled(torch.cuda.current_device())
     return {
         "device": torch.cuda.get_device_name(device) if _cuda(device) else platform.processor()
         or platform.machine(),

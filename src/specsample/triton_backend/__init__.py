@@ -71,9 +71,8 @@ from ..outputs import VerifyOutput
 from ..plan import Plan
 from ..torch_backend import ERR_DRAFT_ID, ERR_DRAFT_ROW, emitted_logprobs, processed_logits
 from . import filters, kernels, layout, penalties
-from . import launch as launch_module
 from . import logprobs as logprobs_kernels
-from .launch import _hooked, launch
+from .launch import PDL, _hooked, launch
 
 S_MAX = 128  # most vocabulary splits of one row
 # Mantissa bits that are zero in every float32 value converted from the logits' dtype: the
@@ -1052,7 +1051,7 @@ def warmup(device="cuda", *, vocab_size: int, draft_vocab_size: int | None = Non
                 config = dict(vocab_size=vocab_size, draft_vocab_size=dv,
                               methods=list(methods), dtypes=[str(d) for d in dtypes],
                               device=str(device), backend=select_backend(device),
-                              pdl=launch_module.PDL)
+                              pdl=PDL)
                 compile_pool.parallel_warmup(
                     run_calls, driver.active.get_current_target(),
                     workers or min(_cpu_count(), compile_pool.MAX_WORKERS), config)

@@ -72,7 +72,6 @@ _Tensor = torch.Tensor
 # in the environment turns it off for the process (benchmarks compare both).
 PDL = os.environ.get("SPECSAMPLE_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
 _PDL_DEVICES: dict[int, bool] = {}  # device index -> programmatic dependent launches there
-_TAKES_GDC: dict[Any, bool] = {}  # kernel -> whether it has the GDC parameter
 
 
 @triton.jit
@@ -103,9 +102,16 @@ def pdl_enabled(device: int) -> bool:
 
 
 def _takes_gdc(kernel: Any) -> bool:
-    on = _TAKES_GDC.get(kernel)
-    if on is None:
-        on = _TAKES_GDC[kernel] = "GDC" in getattr(kernel, "arg_names", ())
+    return "GDC" in getattr(kernel, "arg_names", ())
+
+
+def _set_gdc(kernel: Any, meta: dict, on: bool) -> bool:
+    """Set ``meta["GDC"] = on`` for a kernel that takes GDC; whether it was set and true.
+    (Only on Triton's path and a launch key's first launch: a direct launch's compiled
+    entry already has it.)"""
+    if not _takes_gdc(kernel):
+        return False
+    meta["GDC"] = on
     return on
 
 
@@ -159,8 +165,7 @@ class _Launch:
         if keyed is None:          # the arguments as given)
             if rec is not None:
                 rec.fail("launch.triton")
-            if _takes_gdc(kernel):
-                meta["GDC"] = gpu and pdl_enabled(driver.active.get_current_device())
+            _set_gdc(kernel, meta, gpu and pdl_enabled(driver.active.get_current_device()))
             kernel[grid](*args, **meta)
             return
         akey, values = keyed
@@ -173,9 +178,7 @@ class _Launch:
         if entry is None:
             if rec is not None:
                 rec.fail("launch.first")
-            gdc = False
-            if _takes_gdc(kernel):
-                meta["GDC"] = gdc = pdl_enabled(device)
+            gdc = _set_gdc(kernel, meta, pdl_enabled(device))
             compiled = kernel[grid](*args, **meta)  # compiles if needed, and launches
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
