@@ -267,7 +267,7 @@ def _split_stats(x_ptr, stride, V, r, s, live, t, part_m_ptr, part_s_ptr, part_f
     temperature (0 for greedy rows: then 1); with PEN the values of row ``j`` of request
     ``req`` processed by ``penalties.process`` (``pen``)."""
     inv_t = 1.0 / tl.where(t > 0, t, 1.0)
-    scale = inv_t * 1.4426950408889634  # exp(y / T) = exp2(y * scale)
+    scale = inv_t * LOG2E  # exp(y / T) = exp2(y * scale)
     CHUNK: tl.constexpr = TPC * BLOCK
     offs0 = tl.arange(0, CHUNK)
     tiles0 = tl.arange(0, TPC)
@@ -734,10 +734,10 @@ def _residual_weights(x_ptr, stride, V, xr, m, logz, t, d_ptr, dstride, DV, dr, 
         x, _st = process(x, offs, lo, lo + offs.shape[0], req, j, setup(lo, req, j, pen), pen,
                          PEN == 2)
     fin = (x > -float("inf")) & (x < float("inf")) & _survives(x, offs, cut_v, cut_i)
-    # exp((x - m) / t - logz) as exp2((x - m) * (log2 e / t) - logz log2 e): a product per
-    # element instead of a division, whose reciprocal took the special-function units a
-    # second time (block_mass_kernel at B = 128 on an H100: 50.2 -> 36.9 us; BENCHMARKS.md,
-    # "The residual weights without a division per element")
+    # exp((x - m) / t - logz) as exp2((x - m) * (log2 e / t) - logz * log2 e): a product per
+    # element instead of a division (a reciprocal on the special-function units), fewer
+    # registers; values below 2**-126 flush to 0 (BENCHMARKS.md, "The residual weights
+    # without a division per element")
     p = tl.where(fin, tl.exp2((x - m) * (LOG2E / t) - logz * LOG2E), 0.0)
     dmask = offs < DV
     y = tl.load(d_ptr + dr.to(tl.int64) * dstride + offs, mask=dmask, other=0.0).to(tl.float32)
