@@ -571,6 +571,62 @@ def test_residual_masses_and_draw_in_one_launch(monkeypatch, kind, method):
     assert rejected  # (the case it means to be: corrections drawn)
 
 
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("scale", [2.0, 0.5])
+def test_target_sample_drawn_only_where_emitted(monkeypatch, method, scale):
+    # With a draft distribution, sample_kernel leaves a sampled request's rows undrawn; the
+    # residual kernels draw the one target sample such a request emits. Draft probabilities
+    # q = scale * p (used as given, not renormalised) reach both cases: scale 0.5 accepts
+    # every draft (u q < p always), so the bonus token is row k's sample; scale 2 rejects
+    # about half the drafts with a residual max(rho p - q, 0) that is 0 everywhere, so the
+    # correction is the rejected row's sample. Either way the emitted token is what sample()
+    # draws from that row at that position, and the torch backend's.
+    _poison_scratch(monkeypatch)
+    vocab, n, k = 2048, 8, 3
+    gen = torch.Generator().manual_seed(77)
+    logits = (torch.randn(n * (k + 1), vocab, generator=gen) * 3).to(torch.bfloat16)
+    temps = [1.0, 0.7, 1.0, 1.5] * (n // 4)
+    params = [SamplingParams(temperature=t, seed=500 + i) for i, t in enumerate(temps)]
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device=DEVICE)
+    pos = torch.randint(0, 2**33, (n,), generator=gen)
+    draft_rows = [i * (k + 1) + j for i in range(n) for j in range(k)]
+    t_rows = torch.tensor(temps).repeat_interleave(k)[:, None]
+    q = scale * torch.softmax(logits[draft_rows].float() / t_rows, -1)
+    d = torch.stack([torch.multinomial(q[r], 1, generator=gen)[0] for r in range(n * k)])
+    extra = {"draft_probs": q.to(DEVICE)}
+    monkeypatch.setenv("SPECSAMPLE_BACKEND", "triton")
+    out, ref, _ = run_both(logits.to(DEVICE), d.to(DEVICE), [k] * n, batch, pos.to(DEVICE),
+                           extra, method)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    acc = out.num_accepted.cpu()
+    assert (acc == k).all() if scale < 1 else (acc < k).sum() >= n // 2
+    for i in range(n):
+        a = int(acc[i])
+        one = SamplingBatch.from_params([params[i]], vocab_size=vocab, device=DEVICE)
+        y = specsample.sample(logits[i * (k + 1) + a:i * (k + 1) + a + 1].to(DEVICE), one,
+                              positions=pos[i:i + 1].to(DEVICE) + a)
+        assert int(out.token_ids[i, a]) == int(y.token_ids[0]), (i, a)
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_all_greedy_batch_launches_no_residual(monkeypatch, method):
+    # Greedy requests verify against the argmax even with a draft distribution: a batch with
+    # no sampled request skips the residual kernels (the finish decides everything).
+    def never(*args, **kwargs):
+        raise AssertionError("a residual kernel was launched for an all-greedy batch")
+
+    for name in ("residual_kernel", "residual_draw_kernel", "block_mass_kernel"):
+        monkeypatch.setattr(kernels, name, never)
+    logits, d, ks, batch, pos, extra = _case(41, 6, 1024, torch.float32, "draft_logits")
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * 6, vocab_size=1024,
+                                      device=DEVICE)
+    assert sum(ks) and not batch.any_sampled
+    out, ref, _ = run_both(logits, d, ks, batch, pos, extra, method)
+    assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
+    assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+
+
 @pytest.mark.parametrize("method, processors", [("token", False), ("block", "filters")])
 def test_draft_probs_statistics_apart(monkeypatch, method, processors):
     """Draft probabilities of more than ``MERGED_PROBS_MAX_ROWS`` rows take a statistics

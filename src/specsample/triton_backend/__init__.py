@@ -675,7 +675,10 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             num_warps=4 if not _interpreting(dev) else 1, **dist_options)
 
     n_drafts = plan.draft_token_ids.numel()
-    block_mass = block and k > 1
+    # Greedy requests verify against the argmax (the finish alone): a batch without a sampled
+    # request (from its parameters, on the host) launches neither masses nor a residual draw
+    residual = plan.has_draft_dist and batch.any_sampled
+    block_mass = residual and block and k > 1
     if block_mass:
         # Block verification's Z_j for every draft row at once: rho_j first (a pass over the
         # requests' scalars, which also marks the rows whose Z_j cannot change tau), then the
@@ -701,14 +704,14 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
     if not finished:
         finish(rho_only=False)
 
-    if plan.has_draft_dist:
+    if residual:
         if block_mass:
             # (block verification: rho_tau from rho_row at the draft row of tau, the value
             # the tile masses were summed with)
             launch(kernels.residual_draw_kernel)[(n,)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
-                plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-                dstats, res_row, rho_row, tile_mass, nt,
+                plan.positions, stats, tiles[0], tiles[1], plan.row_start, plan.draft_start,
+                draft, dstride, dv, dstats, res_row, rho_row, tile_mass, nt,
                 token_ids, k, cut_v, cut_i, int(filtered), *lp_args, *dist_pen_args,
                 DRAFT_PROBS=is_probs, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps,
                 **dist_options)
@@ -721,8 +724,9 @@ def run(plan: Plan, op: str) -> tuple[VerifyOutput, torch.Tensor]:
             rs, rcps, _ = _splits(n, plan.vocab_size, 1, dev)
             launch(kernels.residual_kernel)[(n, rs)](
                 x, x.stride(0), plan.vocab_size, temp, req_temp, batch.seed_lo, batch.seed_hi,
-                plan.positions, stats, y, plan.row_start, plan.draft_start, draft, dstride, dv,
-                dstats, res_row, mass, nt, rcps, workspace.counters("residual", (n,), dev),
+                plan.positions, stats, tiles[0], tiles[1], plan.row_start, plan.draft_start,
+                draft, dstride, dv, dstats, res_row, mass, nt, rcps,
+                workspace.counters("residual", (n,), dev),
                 token_ids, k, cut_v, cut_i, *lp_args, *dist_pen_args, DRAFT_PROBS=is_probs,
                 FILTERED=filtered, PEN=dist_pen, BLOCK=BLOCK, num_warps=warps,
                 **dist_options)

@@ -536,6 +536,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
     request's temperature (probabilities: log of the plain sum), which the finish and the
     residual kernels read: one combine per draft row instead of one in every kernel that
     reads the row. A runtime flag, not a constant: no sampling-kernel variants of its own.
+    With it, a sampled request's rows are not drawn (y 0): the residual kernels draw the one
+    target sample such a request can emit (the bonus token, or a zero residual's row).
     PEN: as :func:`stats_kernel`'s (the draw reads the processed values)."""
     wait_for_prior_grid(GDC)
     r = tl.program_id(0)
@@ -555,8 +557,8 @@ def sample_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, draft
             tl.store(dstats_ptr + o, dm)
             tl.store(dstats_ptr + o + 1, dlogz)
             tl.store(dstats_ptr + o + 2, dflags.to(tl.float32))
-    _draw_row(x_ptr, stride, V, r, req, j, live, tl.load(temp_ptr + req), req_temp_ptr,
-              seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
+    _draw_row(x_ptr, stride, V, r, req, j, live, draft_kind, tl.load(temp_ptr + req),
+              req_temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr,
               tilemax_ptr, tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr,
               tiletop_ptr, lp_n_ptr, rank_ptr, count_ptr, pen, FILTERED, RANK, NT_SORT, NPAD,
               PEN, S_MAX, TPC, BLOCK)
@@ -622,7 +624,7 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
         k_eff = _k_eff_of(draft_ids_ptr, dstart, kg, True)
         live = j <= k_eff
         # (the cut and the ranking's pointers are never read: unfiltered, no ranking)
-        _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr,
+        _draw_row(x_ptr, stride, V, r, req, j, live, 0, t, req_temp_ptr, seed_lo_ptr,
                   seed_hi_ptr, pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr,
                   tilesum_ptr, S, NT, out_y_ptr, out_stats_ptr, part_m_ptr, part_f_ptr,
                   tilemax_ptr, part_f_ptr, part_f_ptr, part_f_ptr, pen, False, False, 1, 1, PEN,
@@ -646,22 +648,26 @@ def stats_draw_kernel(x_ptr, stride, V, row_req_ptr, row_j_ptr, draft_ids_ptr, d
 
 
 @triton.jit
-def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
+def _draw_row(x_ptr, stride, V, r, req, j, live, lazy, t, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
               pos_ptr, part_m_ptr, part_s_ptr, part_f_ptr, tilemax_ptr, tilesum_ptr, S, NT,
               out_y_ptr, out_stats_ptr, cut_v_ptr, cut_i_ptr, tiletop_ptr, lp_n_ptr, rank_ptr,
               count_ptr, pen, FILTERED: tl.constexpr, RANK: tl.constexpr,
               NT_SORT: tl.constexpr, NPAD: tl.constexpr, PEN: tl.constexpr,
               S_MAX: tl.constexpr, TPC: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``r``'s statistics and token (:func:`sample_kernel`); ``t`` the temperature of
-    the row's pass (0 for greedy rows)."""
+    the row's pass (0 for greedy rows). ``lazy`` != 0 (the call has a draft distribution): a
+    sampled request's rows are not drawn (y = 0 is written): its acceptance test reads
+    p(d_j) from the statistics, and a target sample is needed only for the bonus token or a
+    zero residual, which the residual kernels draw (:func:`_target_draw`, the same draw)."""
     t = tl.where(t > 0, t, 1.0)
     parts = _load_parts(part_m_ptr, part_s_ptr, part_f_ptr, r, S, S_MAX)
     sampled = tl.load(req_temp_ptr + req) > 0
+    draws = sampled & (lazy == 0)
     seed_lo = tl.load(seed_lo_ptr + req)
     seed_hi = tl.load(seed_hi_ptr + req)
     pos = tl.load(pos_ptr + req) + j
     first = _tiles_and_noise(tilemax_ptr, tilesum_ptr, r, NT, tl.arange(0, NT_CHUNK), seed_lo,
-                             seed_hi, pos, sampled)
+                             seed_hi, pos, draws)
     m, logz, flags = _combine_parts(parts[0], parts[1], parts[2], t, False)
     y = 0
     ok = live & (m > -float("inf")) & (m < float("inf")) & (logz == logz)
@@ -672,10 +678,10 @@ def _draw_row(x_ptr, stride, V, r, req, j, live, t, req_temp_ptr, seed_lo_ptr, s
         cut_i = tl.load(cut_i_ptr + r)
         if cut_v > -float("inf"):
             logz = _tiles_logz(tilemax_ptr, tilesum_ptr, r, NT, m, t)
-    if ok & sampled:
+    if ok & draws:
         y = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo,
                           seed_hi, pos, first, cut_v, cut_i, req, j, pen, PEN, BLOCK)
-    elif ok:
+    elif ok & ~sampled:
         y = _first_max(x_ptr, stride, V, r, m, tilemax_ptr, NT, req, j, pen, PEN, TPC, BLOCK)
     tl.store(out_y_ptr + r, y)
     if RANK:
@@ -950,10 +956,10 @@ def _finish_request(i, known, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_
             tl.store(rho_row_ptr + dstart + j, -1.0, mask=settled | (j >= k) | (use_dist == 0))
     else:
         _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
-                        y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
-                        out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t,
-                        stats_ptr, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
-                        lp_i_ptr, lp0, HAS_DRAFT)
+                        draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                        out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t, stats_ptr,
+                        cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
+                        HAS_DRAFT)
 
 
 @triton.jit
@@ -997,7 +1003,7 @@ def _emitted_logprob(x_ptr, stride, r, tok, live, t, stats_ptr, cut_v_ptr, cut_i
 
 @triton.jit
 def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, res_row,
-                    y_ptr, draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
+                    draft_ids_ptr, out_tok_ptr, out_nacc_ptr, out_err_ptr,
                     out_invalid_ptr, res_row_ptr, V, K, x_ptr, stride, t, stats_ptr,
                     cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0,
                     HAS_DRAFT: tl.constexpr):
@@ -1007,11 +1013,14 @@ def _finish_outputs(i, k, start, dstart, err, n_acc, matching, use_dist, emit, r
     # A rejected draft distribution: residual_kernel draws the correction from
     # max(rho_tau p - q, 0) at row res_row (rho_tau = 1 at token level) from the tile masses
     # it sums (block verification: residual_draw_kernel from block_mass_kernel's, and
-    # rho_tau from rho_row), and overwrites the token written here.
+    # rho_tau from rho_row), and overwrites the token written here. Every draft accepted:
+    # the same kernels draw the bonus token from target row start + k (res_row
+    # -2 - that row), which sample_kernel did not draw (_draw_row's ``lazy``).
     rejected = (use_dist != 0) & (matching == 0) & ~invalid
     if HAS_DRAFT:
-        tl.store(res_row_ptr + i, tl.where(rejected, start + res_row, -1))
-        emit = tl.where(rejected, tl.load(y_ptr + start + res_row), emit)
+        bonus = (use_dist != 0) & (matching != 0) & ~invalid
+        tl.store(res_row_ptr + i, tl.where(rejected, start + res_row,
+                                           tl.where(bonus, -2 - (start + k), -1)))
     emit = tl.minimum(tl.maximum(emit, 0), V - 1)
     processed = tl.load(lp_proc_ptr + i) != 0
     for j0 in range(0, K + 1, J_BLOCK):
@@ -1115,8 +1124,8 @@ def block_mass_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, stats_ptr, row_s
 
 @triton.jit(**_NOSPEC)
 def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
-                         pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                         DV, dstats_ptr, res_row_ptr, rho_row_ptr,
+                         pos_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr,
+                         draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, res_row_ptr, rho_row_ptr,
                          mass_ptr, NT, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
                          filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr, rep_ptr,
                          freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -1127,7 +1136,8 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     :func:`_residual_draw` from ``block_mass_kernel``'s tile masses (mass [drafts, NT] and
     rho_row [drafts], read at the draft row of the rejected position). Token level (and block
     verification without a second draft) draws in :func:`residual_kernel` instead, in the
-    launch that sums the masses."""
+    launch that sums the masses. A request that accepted every draft gets its bonus token
+    here (:func:`_target_draw`; res_row -2 - its row)."""
     wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     pen = (rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr, bids_ptr,
@@ -1136,16 +1146,22 @@ def residual_draw_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
     r = tl.load(res_row_ptr + i)
     if r >= 0:
         _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
-                       seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr,
-                       d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, True,
-                       out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
-                       lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+                       seed_hi_ptr, pos_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr,
+                       draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT,
+                       True, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr,
+                       lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+    elif r <= -2:
+        _bonus_draw(i, -2 - r, x_ptr, stride, V, temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
+                    stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr, NT, out_tok_ptr, K,
+                    cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen,
+                    PEN, BLOCK)
 
 
 @triton.jit(**_NOSPEC)
 def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
-                    pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                    DV, dstats_ptr, res_row_ptr, mass_ptr, NT, CPS, done_ptr, out_tok_ptr, K,
+                    pos_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr, draft_start_ptr,
+                    d_ptr, dstride, DV, dstats_ptr, res_row_ptr, mass_ptr, NT, CPS, done_ptr,
+                    out_tok_ptr, K,
                     cut_v_ptr, cut_i_ptr, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, draft_ids_ptr,
                     rep_ptr, freq_ptr, pres_ptr, counts_ptr, prompt_ptr, CV, bstart_ptr,
                     bids_ptr, bval_ptr, ban_ptr, BW, KP, aslot_ptr, amask_ptr, AV,
@@ -1160,8 +1176,10 @@ def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_
     that reads S - 1 follows every other split's writes, sets the counter back to 0 and
     draws the correction (:func:`_residual_draw`), while other requests' masses are still
     being summed: no second launch (the pattern of :func:`stats_draw_kernel`). ``done_ptr``
-    [N] int32 is all zeros before the launch and after it. PEN: the target rows are processed
-    with the batch's logit_bias and penalties (``stats_kernel``)."""
+    [N] int32 is all zeros before the launch and after it. A request that accepted every
+    draft (res_row -2 - its bonus row) gets its bonus token from program (i, 0)
+    (:func:`_target_draw`). PEN: the target rows are processed with the batch's logit_bias
+    and penalties (``stats_kernel``)."""
     wait_for_prior_grid(GDC)
     i = tl.program_id(0)
     s = tl.program_id(1)
@@ -1183,27 +1201,85 @@ def residual_kernel(x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_
             tl.store(done_ptr + i, 0)
             # (rho_row is never read without BY_DRAFT_ROW)
             _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr,
-                           seed_hi_ptr, pos_ptr, stats_ptr, y_ptr, row_start_ptr,
-                           draft_start_ptr, d_ptr, dstride, DV, dstats_ptr, mass_ptr, mass_ptr,
-                           NT, False, out_tok_ptr, K, cut_v_ptr, cut_i_ptr, FILTERED,
-                           lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN, BLOCK)
+                           seed_hi_ptr, pos_ptr, stats_ptr, tilemax_ptr, tilesum_ptr,
+                           row_start_ptr, draft_start_ptr, d_ptr, dstride, DV, dstats_ptr,
+                           mass_ptr, mass_ptr, NT, False, out_tok_ptr, K, cut_v_ptr, cut_i_ptr,
+                           FILTERED, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen, DRAFT_PROBS, PEN,
+                           BLOCK)
+    elif (r <= -2) & (s == 0):
+        _bonus_draw(i, -2 - r, x_ptr, stride, V, temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr,
+                    stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr, NT, out_tok_ptr, K,
+                    cut_v_ptr, cut_i_ptr, FILTERED, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen,
+                    PEN, BLOCK)
+
+
+@triton.jit(noinline=True)  # (a body of its own: the residual kernels stay quicker to compile)
+def _target_draw(r, j, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi, pos, cut_v, cut_i,
+                 x_ptr, stride, V, i, pen, PEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Target row ``r`` (row ``j`` of request ``i``)'s sample, as ``sample_kernel`` draws it
+    (:func:`_tiled_sample` from the statistics pass's tiles, the same noise at ``pos``), for
+    a request that verified against a draft distribution: ``sample_kernel`` left its rows
+    undrawn (``_draw_row``'s ``lazy``). 0 where the row has no finite maximum (an invalid
+    request's row, whose token is never emitted)."""
+    first = _tiles_and_noise(tilemax_ptr, tilesum_ptr, r, NT, tl.arange(0, NT_CHUNK), seed_lo,
+                             seed_hi, pos, True)
+    tok = 0
+    if (m > -float("inf")) & (m < float("inf")):
+        tok = _tiled_sample(x_ptr, stride, V, r, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo,
+                            seed_hi, pos, first, cut_v, cut_i, i, j, pen, PEN, BLOCK)
+    return tok
+
+
+@triton.jit
+def _bonus_draw(i, r, x_ptr, stride, V, temp_ptr, seed_lo_ptr, seed_hi_ptr, pos_ptr, stats_ptr,
+                tilemax_ptr, tilesum_ptr, row_start_ptr, NT, out_tok_ptr, K, cut_v_ptr,
+                cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0, pen,
+                PEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Request ``i``'s bonus token, every draft accepted: target row ``r``'s sample
+    (:func:`_target_draw`), written at its position with, with ``lp0``, its logprob (the
+    finish wrote a placeholder there)."""
+    j = r - tl.load(row_start_ptr + i)
+    t = tl.load(temp_ptr + i)
+    t = tl.where(t > 0, t, 1.0)
+    m = tl.load(stats_ptr + r * 3)
+    cut_v, cut_i = _cut(cut_v_ptr, cut_i_ptr, r, filtered)
+    tok = _target_draw(r, j, m, t, tilemax_ptr, tilesum_ptr, NT, tl.load(seed_lo_ptr + i),
+                       tl.load(seed_hi_ptr + i), tl.load(pos_ptr + i) + j, cut_v, cut_i, x_ptr,
+                       stride, V, i, pen, PEN, BLOCK)
+    _write_token(i, j, r, tok, x_ptr, stride, t, stats_ptr, out_tok_ptr, K, cut_v_ptr,
+                 cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0)
+
+
+@triton.jit
+def _write_token(i, j, r, tok, x_ptr, stride, t, stats_ptr, out_tok_ptr, K, cut_v_ptr,
+                 cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0):
+    """Token ``tok`` at position ``j`` of request ``i`` (target row ``r``) into the outputs
+    the finish wrote, and with ``lp0`` its logprob."""
+    o = i.to(tl.int64) * (K + 1) + j
+    tl.store(out_tok_ptr + o, tok.to(tl.int64))
+    if lp0 != 0:
+        lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, t, stats_ptr, cut_v_ptr,
+                              cut_i_ptr, filtered, tl.load(lp_proc_ptr + i) != 0)
+        tl.store(lp_v_ptr + o, lp)
+        tl.store(lp_i_ptr + o, tok.to(tl.int64))
 
 
 @triton.jit
 def _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, seed_hi_ptr,
-                   pos_ptr, stats_ptr, y_ptr, row_start_ptr, draft_start_ptr, d_ptr, dstride,
-                   DV, dstats_ptr, rho_row_ptr, mass_ptr, NT, BY_DRAFT_ROW: tl.constexpr,
+                   pos_ptr, stats_ptr, tilemax_ptr, tilesum_ptr, row_start_ptr, draft_start_ptr,
+                   d_ptr, dstride, DV, dstats_ptr, rho_row_ptr, mass_ptr, NT,
+                   BY_DRAFT_ROW: tl.constexpr,
                    out_tok_ptr, K, cut_v_ptr, cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr,
                    lp_i_ptr, lp0, pen,
                    DRAFT_PROBS: tl.constexpr, PEN: tl.constexpr, BLOCK: tl.constexpr):
     """Request ``i``'s correction at its rejected row ``r``: the exact three-level Gumbel-max
     draw from the residual (a tile from the tile masses, STREAM_RESIDUAL_TILE; a sub-tile of
     it, STREAM_RESIDUAL_SUB; then a token of that, STREAM_RESIDUAL), or the row's target
-    sample when the residual mass is 0 (p == q to rounding). The tile masses are mass [N, NT]
-    with rho_tau 1, or with BY_DRAFT_ROW mass [drafts, NT] and rho_row [drafts] at the
-    draft row of the rejected position (``block_mass_kernel``'s masses and the ratios they
-    were summed with). Overwrites the correction token (and, with ``lp0``, its logprob:
-    ``finish_kernel``). PEN: as :func:`residual_kernel`'s."""
+    sample (:func:`_target_draw`) when the residual mass is 0 (p == q to rounding). The tile
+    masses are mass [N, NT] with rho_tau 1, or with BY_DRAFT_ROW mass [drafts, NT] and
+    rho_row [drafts] at the draft row of the rejected position (``block_mass_kernel``'s
+    masses and the ratios they were summed with). Overwrites the correction token (and,
+    with ``lp0``, its logprob: ``finish_kernel``). PEN: as :func:`residual_kernel`'s."""
     start = tl.load(row_start_ptr + i)
     j = r - start
     mrow = i
@@ -1233,8 +1309,11 @@ def _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         kidx = tl.argmax(key, axis=0) + c
         bt = tl.where(kmax > best, kidx, bt)
         best = tl.maximum(best, kmax)
-    tok = tl.load(y_ptr + r)
-    if best > -float("inf"):
+    tok = 0
+    if best == -float("inf"):
+        tok = _target_draw(r, j, m, t, tilemax_ptr, tilesum_ptr, NT, seed_lo, seed_hi, pos,
+                           cut_v, cut_i, x_ptr, stride, V, i, pen, PEN, BLOCK)
+    else:
         offs = bt * BLOCK + tl.arange(0, BLOCK)
         w = _residual_weights(x_ptr, stride, V, r, m, logz, t, d_ptr, dstride, DV, dr, dm,
                               dlogz, dt, rho, offs, bt * BLOCK, cut_v, cut_i, i, j, pen,
@@ -1251,10 +1330,5 @@ def _residual_draw(i, r, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_ptr, 
         key = logw + _gumbel(seed_lo, seed_hi, pos, offs, STREAM_RESIDUAL)
         key = tl.where(w > 0, key, -float("inf"))
         tok = (tl.argmax(key, axis=0) + sb * SUBTILE).to(tl.int32)
-    o = i.to(tl.int64) * (K + 1) + j
-    tl.store(out_tok_ptr + o, tok.to(tl.int64))
-    if lp0 != 0:
-        lp = _emitted_logprob(x_ptr, stride, r, tok, r >= 0, t, stats_ptr, cut_v_ptr,
-                              cut_i_ptr, filtered, tl.load(lp_proc_ptr + i) != 0)
-        tl.store(lp_v_ptr + o, lp)
-        tl.store(lp_i_ptr + o, tok.to(tl.int64))
+    _write_token(i, j, r, tok, x_ptr, stride, t, stats_ptr, out_tok_ptr, K, cut_v_ptr,
+                 cut_i_ptr, filtered, lp_proc_ptr, lp_v_ptr, lp_i_ptr, lp0)
