@@ -580,7 +580,11 @@ def test_target_sample_drawn_only_where_emitted(monkeypatch, method, scale):
     # every draft (u q < p always), so the bonus token is row k's sample; scale 2 rejects
     # about half the drafts with a residual max(rho p - q, 0) that is 0 everywhere, so the
     # correction is the rejected row's sample. Either way the emitted token is what sample()
-    # draws from that row at that position, and the torch backend's.
+    # draws from that row at that position, and the torch backend's; and sample_kernel drew
+    # none of the rows (its y scratch, poisoned with -1, holds 0 in every row).
+    from specsample import workspace
+
+    scratch = workspace.scratch  # (unpoisoned: to read y after the call)
     _poison_scratch(monkeypatch)
     vocab, n, k = 2048, 8, 3
     gen = torch.Generator().manual_seed(77)
@@ -599,6 +603,8 @@ def test_target_sample_drawn_only_where_emitted(monkeypatch, method, scale):
                            extra, method)
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    y = scratch("y", (n * (k + 1),), torch.int32, torch.device(DEVICE))
+    assert (y == 0).all(), y
     acc = out.num_accepted.cpu()
     assert (acc == k).all() if scale < 1 else (acc < k).sum() >= n // 2
     for i in range(n):
@@ -613,11 +619,14 @@ def test_target_sample_drawn_only_where_emitted(monkeypatch, method, scale):
 def test_all_greedy_batch_launches_no_residual(monkeypatch, method):
     # Greedy requests verify against the argmax even with a draft distribution: a batch with
     # no sampled request skips the residual kernels (the finish decides everything).
-    def never(*args, **kwargs):
-        raise AssertionError("a residual kernel was launched for an all-greedy batch")
+    launched = []
+    launch = triton_backend.launch
 
-    for name in ("residual_kernel", "residual_draw_kernel", "block_mass_kernel"):
-        monkeypatch.setattr(kernels, name, never)
+    def recording(kernel):
+        launched.append(kernel.fn.__name__)
+        return launch(kernel)
+
+    monkeypatch.setattr(triton_backend, "launch", recording)
     logits, d, ks, batch, pos, extra = _case(41, 6, 1024, torch.float32, "draft_logits")
     batch = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * 6, vocab_size=1024,
                                       device=DEVICE)
@@ -625,6 +634,9 @@ def test_all_greedy_batch_launches_no_residual(monkeypatch, method):
     out, ref, _ = run_both(logits, d, ks, batch, pos, extra, method)
     assert torch.equal(out.token_ids.cpu(), ref.token_ids.cpu())
     assert torch.equal(out.num_accepted.cpu(), ref.num_accepted.cpu())
+    assert "finish_kernel" in launched, launched  # (the hook sees the launches)
+    assert not {"residual_kernel", "residual_draw_kernel", "block_mass_kernel"} & set(
+        launched), launched
 
 
 @pytest.mark.parametrize("method, processors", [("token", False), ("block", "filters")])

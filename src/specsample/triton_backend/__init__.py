@@ -467,7 +467,9 @@ def draw_rows(x: torch.Tensor, plan: Plan, temp: torch.Tensor, draft_ids: torch.
     arguments ``pen_args`` (:func:`_pen_args`; made here when not given).
 
     Returns ((part_m, part_s, part_f) split statistics, tiles (ref, sum, maximum per tile),
-    NT, y [R] int32 each row's token, stats [R, 3] float32 (max, log-normaliser, flags),
+    NT, y [R] int32 each row's token (0 in the rows of sampled requests with ``draft``:
+    ``kernels.sample_kernel`` leaves them undrawn), stats [R, 3] float32 (max,
+    log-normaliser, flags),
     (cut_v, cut_i) the filters' cuts (split statistics when not filtered, which the kernels
     do not read), the ranking ([R, NPAD] int64 tile keys, [R] int32 counts) or None, and
     whether the requests were finished). No host synchronisation."""
