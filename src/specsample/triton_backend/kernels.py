@@ -934,8 +934,8 @@ def _finish_request(i, known, x_ptr, stride, V, temp_ptr, req_temp_ptr, seed_lo_
                 rejected_here = (matching != 0) & (first < J_BLOCK)
                 res_row = tl.where(rejected_here, c + first, res_row)
                 matching = tl.where(rejected_here, 0, matching)
-            if has_k:
-                emit = tl.where(matching != 0, _lane(y, lk), emit)
+            # (emit stays 0: the residual kernels draw this request's token, bonus or
+            # correction, and overwrite it)
         else:  # greedy, or one-hot drafts: sample-and-match
             first = tl.min(tl.where(row & ~(is_draft & (d == y)), lanes, J_BLOCK), axis=0)
             stops = (matching != 0) & (first < J_BLOCK)  # (the bonus row always stops)
